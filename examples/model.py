@@ -1,0 +1,425 @@
+"""A Llama / Qwen3-style decoder whose attention is ``vattn.Attention``.
+
+The model takes one flattened batch per step, the way a paged-attention engine runs it:
+
+| input / output | shape | meaning |
+| --- | --- | --- |
+| ``input_ids`` | (T,) int64 | new tokens of every request in the step, concatenated (decodes first) |
+| ``positions`` | (T,) int64 | each token's position in its own sequence |
+| ``forward`` returns | (T, hidden_size) | final hidden states (after the last RMSNorm) |
+| ``compute_logits(hidden)`` | (N, hidden) -> (N, vocab_size) | the LM head, on the rows you sample from |
+
+The batch structure (which tokens belong to which request, where their K/V live) never
+enters the model: it reaches the attention op through ``vattn.set_forward_context``. So
+``forward`` has no data-dependent Python branches and no host syncs, and
+``torch.compile(model, fullgraph=True, dynamic=True)`` traces it once for every batch.
+
+Weights use Hugging Face names, with q/k/v and gate/up fused::
+
+    model = DecoderForCausalLM.from_hf_config(hf_model.config)   # inside vattn.set_current_vattn_config
+    model.load_hf_state_dict(hf_model.state_dict())
+
+RoPE: ``default``, ``linear`` and ``llama3`` (Llama 3.1/3.2) scaling are implemented and
+match ``transformers``; other ``rope_type``s (yarn, dynamic, longrope) raise
+``NotImplementedError``. Sliding-window layers (Qwen3 ``use_sliding_window=True``) are
+not supported by this example and raise too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+import vattn
+
+__all__ = [
+    "ModelConfig",
+    "PRESETS",
+    "DecoderForCausalLM",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "get_preset",
+    "init_random_weights",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama / Qwen3-style decoder.
+
+    Args:
+        arch: ``"llama"`` or ``"qwen3"`` (Qwen3 adds an RMSNorm over each q/k head: ``qk_norm``).
+        max_position_embeddings: rows of the RoPE cos/sin table (the longest supported sequence).
+        rope_scaling: the Hugging Face ``rope_scaling`` dict (``rope_type`` default, linear, llama3) or None.
+    """
+
+    arch: str = "llama"
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "qwen3"):
+            raise ValueError(f"ModelConfig.arch must be 'llama' or 'qwen3', got {self.arch!r}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """Read a ``transformers`` LlamaConfig / Qwen3Config (4.x or 5.x spelling of RoPE)."""
+        model_type = getattr(hf_config, "model_type", "llama")
+        if model_type not in ("llama", "qwen3"):
+            raise NotImplementedError(
+                f"hf_config.model_type {model_type!r} is not supported; the example model "
+                "implements 'llama' and 'qwen3' (LlamaConfig, Qwen3Config)."
+            )
+        layer_types = getattr(hf_config, "layer_types", None) or []
+        if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+            raise NotImplementedError(
+                "sliding-window layers (use_sliding_window=True) are not supported by the example "
+                "model; build the config with use_sliding_window=False."
+            )
+        rope = _hf_rope_parameters(hf_config)
+        theta = float(rope.pop("rope_theta"))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return cls(
+            arch=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+
+    def to_hf(self, **overrides: Any) -> Any:
+        """The matching ``transformers`` config (needs transformers; for tests and benchmarks)."""
+        import transformers
+
+        kwargs = {k: v for k, v in asdict(self).items() if k not in ("arch", "mlp_bias", "rope_scaling")}
+        if self.rope_scaling is not None:
+            kwargs["rope_scaling"] = dict(self.rope_scaling)
+        if self.arch == "llama":
+            kwargs["mlp_bias"] = self.mlp_bias
+            cls = transformers.LlamaConfig
+        else:
+            if self.mlp_bias:
+                raise ValueError("Qwen3 has no mlp_bias; set ModelConfig.mlp_bias=False.")
+            cls = transformers.Qwen3Config
+            kwargs["use_sliding_window"] = False
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def _hf_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """``{"rope_type": ..., "rope_theta": ..., ...}`` from a 5.x ``rope_parameters`` or a 4.x config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    return params
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU default: small enough that generate.py runs in seconds.
+    "tiny": ModelConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+    ),
+    "tiny-qwen3": ModelConfig(
+        arch="qwen3", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "llama-3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192,
+    ),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """A preset by name (``PRESETS``), with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return replace(PRESETS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 like ``transformers`` (weight applied after the cast back)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
+    """(head_dim // 2,) float32 inverse frequencies, with ``linear`` / ``llama3`` scaling as in transformers."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    assert scaling is not None
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise NotImplementedError("partial_rotary_factor != 1 is not supported by the example model.")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(
+        f"rope_type {rope_type!r} is not supported by the example model; use 'default', 'linear' or 'llama3'."
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE from a precomputed float32 cos/sin table.
+
+    ``forward(positions (T,), q (T, H, D), k (T, Hk, D)) -> (q, k)`` rotated, in the input dtype.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache.index_select(0, positions).to(q.dtype)[:, None, :]
+        sin = self.sin_cache.index_select(0, positions).to(q.dtype)[:, None, :]
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        return q, k
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, ``vattn.Attention``, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
+                 attn_backend: Any = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rope = [rope]  # shared table; a list so it is not registered once per layer
+        extra = {} if attn_backend is None else {"attn_backend": attn_backend}
+        self.attn = vattn.Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+            prefix=f"model.layers.{layer_idx}.self_attn.attn", **extra,
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope[0](positions, q, k)
+        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, attn_backend: Any = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_idx, rope, attn_backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_backend: Any = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary_emb, attn_backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The decoder plus LM head. Build it inside ``vattn.set_current_vattn_config(cfg)``.
+
+    Args:
+        config: the model shape (``ModelConfig``; see ``from_hf_config`` and ``PRESETS``).
+        attn_backend: forwarded to every ``vattn.Attention`` (a backend class or name) to force one.
+
+    Parameters are created in ``torch.get_default_dtype()`` on the default device (use
+    ``with torch.device("cuda")``); the RoPE table stays float32.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, attn_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, attn_backend: Any = None) -> "DecoderForCausalLM":
+        """Build from a ``transformers`` LlamaConfig or Qwen3Config (random weights)."""
+        return cls(ModelConfig.from_hf(hf_config), attn_backend)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) logits, in the model dtype."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy a ``transformers`` Llama/Qwen3 state dict in (q/k/v and gate/up are fused here).
+
+        Raises ``ValueError`` listing missing / unexpected keys when ``strict``.
+        """
+        sd = dict(state_dict)
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        params = dict(self.named_parameters(remove_duplicate=False))
+        missing: list[str] = []
+        for name, param in params.items():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in sd:
+                continue  # tied to embed_tokens, loaded there
+            parent, _, leaf = name.rpartition(".")
+            module, _, proj = parent.rpartition(".")
+            if proj in fused:
+                keys = [f"{module}.{part}.{leaf}" for part in fused[proj]]
+            else:
+                keys = [name]
+            if any(k not in sd for k in keys):
+                missing += [k for k in keys if k not in sd]
+                continue
+            src = torch.cat([sd.pop(k) for k in keys], dim=0)
+            if src.shape != param.shape:
+                raise ValueError(
+                    f"state_dict {keys} has shape {tuple(src.shape)}, expected {tuple(param.shape)} for "
+                    f"{name}; build the model from the same config as the checkpoint."
+                )
+            param.copy_(src)
+        unexpected = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+        if self.config.tie_word_embeddings:
+            unexpected = [k for k in unexpected if k != "lm_head.weight"]
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"load_hf_state_dict: missing keys {missing[:8]} (total {len(missing)}), unexpected keys "
+                f"{unexpected[:8]} (total {len(unexpected)}); is the checkpoint a Llama/Qwen3 model of "
+                "this config?"
+            )
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02, norm_jitter: float = 0.1) -> None:
+    """Seeded random weights: linear/embedding ~ N(0, std), norms ~ 1 + U(-jitter, jitter), biases ~ N(0, std).
+
+    Draws on each parameter's device (so large GPU models initialise fast); the same seed and
+    device give the same weights.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        g = gens.get(p.device)
+        if g is None:
+            g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        if name.endswith("norm.weight") or "_norm." in name or "layernorm" in name:
+            p.copy_(1 + norm_jitter * (2 * torch.rand(p.shape, generator=g, device=p.device) - 1))
+        else:
+            p.copy_(std * torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32))

@@ -1,0 +1,42 @@
+"""Shared test setup: markers that skip cleanly where hardware or libraries are missing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from vattn.config import VattnConfig, set_current_vattn_config
+
+
+def _has(mod: str) -> bool:
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_FLASHINFER = HAS_CUDA and _has("flashinfer")
+HAS_FLASH_ATTN = HAS_CUDA and (_has("flash_attn") or _has("flash_attn_interface"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skips = {
+        "cuda": (HAS_CUDA, "needs a CUDA GPU (run on the device machine: see ../shared/device/README.md)"),
+        "flashinfer": (HAS_FLASHINFER, "needs flashinfer-python and a CUDA GPU"),
+        "flash_attn": (HAS_FLASH_ATTN, "needs flash-attn-4, FA3 or FA2 and a CUDA GPU"),
+    }
+    for item in items:
+        for name, (ok, why) in skips.items():
+            if not ok and item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture
+def vattn_config() -> VattnConfig:
+    """A fresh config made current for the test (layers built in the test register into it)."""
+    cfg = VattnConfig()
+    with set_current_vattn_config(cfg):
+        yield cfg

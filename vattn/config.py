@@ -1,0 +1,167 @@
+"""Explicit configuration: frozen dataclasses, and the current config as a context.
+
+``VattnConfig`` bundles a ``CacheConfig`` and a ``CompilationConfig``. Attention layers
+register themselves in ``CompilationConfig.static_forward_context`` at construction, so a
+model must be built inside ``set_current_vattn_config(cfg)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from vattn.layer import Attention
+
+__all__ = [
+    "CacheConfig",
+    "CompilationConfig",
+    "CUDAGraphMode",
+    "VattnConfig",
+    "get_current_vattn_config",
+    "set_current_vattn_config",
+    "CACHE_DTYPES",
+]
+
+#: Valid ``cache_dtype`` strings and the torch dtype name they store ("auto" = model dtype).
+CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+class CUDAGraphMode(enum.Enum):
+    """How decode steps are captured in CUDA graphs (see ``vattn.cudagraph``)."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings.
+
+    Args:
+        block_size: tokens per KV-cache block (page).
+        cache_dtype: one of ``CACHE_DTYPES``; ``"auto"`` stores the model dtype,
+            ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"`` store fp8 with per-layer scales.
+        sliding_window: model-wide sliding window (tokens), ``None`` for full attention.
+        calculate_kv_scales: compute fp8 k/v scales from the first batch that runs.
+    """
+
+    block_size: int = 16
+    cache_dtype: str = "auto"
+    sliding_window: int | None = None
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(
+                f"CacheConfig.block_size must be a positive int, got {self.block_size!r}; "
+                "use e.g. 16 or 32."
+            )
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"CacheConfig.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}."
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"CacheConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}."
+            )
+
+
+def _default_capture_sizes(max_size: int = 256) -> tuple[int, ...]:
+    sizes = [s for s in (1, 2, 4) if s <= max_size]
+    sizes += list(range(8, max_size + 1, 8))
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """Compile and CUDA-graph settings.
+
+    ``static_forward_context`` maps a layer name (the ``prefix`` given to
+    ``vattn.Attention``) to the layer; it is filled while the model is built. It is the
+    one mutable field (a dict owned by this config).
+
+    Args:
+        cudagraph_mode: see ``CUDAGraphMode``.
+        cudagraph_capture_sizes: batch sizes (tokens) to capture; ``None`` = 1, 2, 4, 8, 16, ...
+        max_capture_size: the largest capture size when ``cudagraph_capture_sizes`` is None.
+        splitting_ops: ops at which ``vattn.compile`` splits the FX graph.
+        passes: names of the post-grad passes to run (see ``vattn.compile_passes``).
+        use_inductor: compile the pieces with Inductor (else run them as FX graphs).
+        debug_dump_path: where passes dump graphs before/after, if set.
+    """
+
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_capture_size: int = 256
+    splitting_ops: tuple[str, ...] = (
+        "vattn::unified_attention",
+        "vattn::unified_attention_with_output",
+    )
+    passes: tuple[str, ...] = ()
+    use_inductor: bool = True
+    debug_dump_path: str | None = None
+    static_forward_context: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def capture_sizes(self) -> tuple[int, ...]:
+        """The batch sizes to capture, ascending."""
+        if self.cudagraph_capture_sizes is not None:
+            return tuple(sorted(set(self.cudagraph_capture_sizes)))
+        return _default_capture_sizes(self.max_capture_size)
+
+
+@dataclass(frozen=True)
+class VattnConfig:
+    """Everything vattn needs to know about a model's attention."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+
+    # vLLM spells these cache_config / compilation_config; keep both readable.
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.cache
+
+    @property
+    def compilation_config(self) -> CompilationConfig:
+        return self.compilation
+
+    def attention_layers(self) -> dict[str, "Attention"]:
+        """The registered attention layers by name, in construction order."""
+        return dict(self.compilation.static_forward_context)
+
+
+_current_config: list[VattnConfig] = []
+
+
+def get_current_vattn_config() -> VattnConfig:
+    """The config set by the innermost ``set_current_vattn_config``.
+
+    Outside any, returns a process-wide default config (so a layer built without one
+    still works; its name goes into that default's static forward context).
+    """
+    if _current_config:
+        return _current_config[-1]
+    return _DEFAULT_CONFIG
+
+
+@contextlib.contextmanager
+def set_current_vattn_config(config: VattnConfig) -> Iterator[VattnConfig]:
+    """Make ``config`` current inside the block; restores the previous one on exit (also on error)."""
+    if not isinstance(config, VattnConfig):
+        raise TypeError(
+            f"set_current_vattn_config expects a vattn.VattnConfig, got {type(config).__name__}."
+        )
+    _current_config.append(config)
+    try:
+        yield config
+    finally:
+        _current_config.pop()
+
+
+_DEFAULT_CONFIG = VattnConfig()

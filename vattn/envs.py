@@ -1,0 +1,59 @@
+"""The only module in vattn that reads ``os.environ``.
+
+Every variable is read lazily (``vattn.envs.VATTN_ATTENTION_BACKEND`` reads the
+environment at access time), so tests and users may change them at run time.
+
+| variable | meaning |
+| --- | --- |
+| ``VATTN_ATTENTION_BACKEND`` | force a backend by name (``FLASHINFER``, ``TRITON_ATTN``, ...) |
+| ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` or ``HND``: the stride order of the paged KV cache |
+| ``VATTN_DEBUG_CHECKS`` | ``1``: add (syncing) bound checks of slot mappings and block tables |
+| ``VATTN_Q_SCALE_CONSTANT`` etc. | divisors used by ``calc_kv_scales`` (defaults 200, 100, 100) |
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+__all__ = ["environment_variables"]
+
+
+def _opt_str(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or None
+
+
+def _flag(name: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name, str(default)))
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    "VATTN_ATTENTION_BACKEND": _opt_str("VATTN_ATTENTION_BACKEND"),
+    "VATTN_KV_CACHE_LAYOUT": _opt_str("VATTN_KV_CACHE_LAYOUT"),
+    "VATTN_DEBUG_CHECKS": _flag("VATTN_DEBUG_CHECKS"),
+    "VATTN_Q_SCALE_CONSTANT": _int("VATTN_Q_SCALE_CONSTANT", 200),
+    "VATTN_K_SCALE_CONSTANT": _int("VATTN_K_SCALE_CONSTANT", 100),
+    "VATTN_V_SCALE_CONSTANT": _int("VATTN_V_SCALE_CONSTANT", 100),
+}
+
+if __debug__:  # static names for type checkers
+    VATTN_ATTENTION_BACKEND: str | None
+    VATTN_KV_CACHE_LAYOUT: str | None
+    VATTN_DEBUG_CHECKS: bool
+    VATTN_Q_SCALE_CONSTANT: int
+    VATTN_K_SCALE_CONSTANT: int
+    VATTN_V_SCALE_CONSTANT: int
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,329 @@
+"""``vattn.Attention``: the drop-in attention layer over a paged KV cache (seed 002)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from vattn import envs
+from vattn.backends.abstract import AttentionBackend, AttentionType, is_fp8_kv_cache
+from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
+from vattn.forward_context import get_forward_context
+from vattn.ops import custom_ops  # noqa: F401  (registers torch.ops.vattn.*)
+from vattn.ops.kv_store import fp8_dtype_for
+from vattn.ops.quant_fp8 import GroupShape, QuantFP8
+
+__all__ = ["Attention", "KVCacheQuantMethod", "QuantizationConfig"]
+
+logger = logging.getLogger("vattn")
+
+
+class KVCacheQuantMethod(Protocol):
+    """What an fp8 checkpoint's KV-cache quantization method does to a layer."""
+
+    def create_weights(self, layer: "Attention") -> None:
+        """Add loadable scale parameters (e.g. ``k_scale``, ``v_scale``) to the layer."""
+
+    def process_weights_after_loading(self, layer: "Attention") -> None:
+        """Copy the loaded scales into ``layer._k_scale`` etc. and their ``*_float`` copies."""
+
+
+class QuantizationConfig(Protocol):
+    """The part of a quantization config the attention layer uses."""
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> KVCacheQuantMethod | None: ...
+
+
+def validate_kv_sharing_target(layer_name: str, target: str, context: dict[str, Any]) -> None:
+    """KV sharing: the target exists, was built earlier, and has the same attention type."""
+    if target == layer_name or target not in context:
+        raise ValueError(
+            f"kv_sharing_target_layer_name={target!r} for layer {layer_name!r}: expected the prefix "
+            f"of an attention layer built before this one (known: {list(context)[:8]}); build the "
+            "target layer first and pass its exact prefix."
+        )
+
+
+def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **select: Any) -> type[AttentionBackend]:
+    from vattn.selector import backend_name_to_enum, get_attn_backend
+
+    if attn_backend is None:
+        return get_attn_backend(**select)
+    if isinstance(attn_backend, str):
+        backend = backend_name_to_enum(attn_backend)
+        if backend is None:
+            from vattn.backends.registry import AttentionBackendEnum
+
+            raise ValueError(
+                f"attn_backend={attn_backend!r} is not a backend name; valid: "
+                f"{[m.name for m in AttentionBackendEnum]}."
+            )
+        return backend.get_class()
+    if isinstance(attn_backend, type) and issubclass(attn_backend, AttentionBackend):
+        return attn_backend
+    raise TypeError(
+        f"attn_backend must be None, a backend name or an AttentionBackend subclass, got {attn_backend!r}."
+    )
+
+
+class Attention(nn.Module):
+    """Paged attention layer: stores new K/V in the cache, then attends.
+
+    Args:
+        num_heads: query heads H.
+        head_size: head dimension D.
+        scale: softmax scale (usually ``D ** -0.5``).
+        num_kv_heads: KV heads Hk (GQA/MQA); must divide ``num_heads``. Default: ``num_heads``.
+        alibi_slopes: per-head ALiBi slopes, length H.
+        cache_config: block size, cache dtype, sliding window; default: the current config's.
+        quant_config: fp8 checkpoint config providing k/v scales (see ``QuantizationConfig``).
+        logits_soft_cap: ``cap * tanh(s / cap)`` applied to the scores.
+        per_layer_sliding_window: this layer's window (overrides ``cache_config.sliding_window``).
+        prefix: unique layer name, e.g. ``"model.layers.0.self_attn.attn"``.
+        attn_type: one of ``AttentionType``.
+        kv_sharing_target_layer_name: reuse an earlier layer's KV cache.
+        attn_backend: force a backend class (or name); default: ``vattn.get_attn_backend``.
+        **extra_impl_args: passed to the backend impl, e.g. ``sinks`` (H,) float tensor.
+
+    ``forward(query (T, H*D), key (T, Hk*D), value (T, Hk*D)) -> (T, H*D)``; the step's
+    metadata comes from ``vattn.set_forward_context``. The model dtype is
+    ``torch.get_default_dtype()`` at construction (build the model under the dtype it runs in).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        cache_config: CacheConfig | None = None,
+        quant_config: QuantizationConfig | None = None,
+        logits_soft_cap: float | None = None,
+        per_layer_sliding_window: int | None = None,
+        use_mla: bool = False,
+        use_sparse: bool = False,
+        prefix: str = "",
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        attn_backend: type[AttentionBackend] | str | None = None,
+        **extra_impl_args: Any,
+    ) -> None:
+        super().__init__()
+        vattn_config = get_current_vattn_config()
+        cache_config = cache_config if cache_config is not None else vattn_config.cache
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}; "
+                "choose num_kv_heads among the divisors of num_heads (1 for MQA, num_heads for MHA)."
+            )
+        if attn_type not in AttentionType.ALL:
+            raise ValueError(f"attn_type must be one of {AttentionType.ALL}, got {attn_type!r}.")
+        if not prefix:
+            raise ValueError("prefix must be a unique non-empty layer name, e.g. 'model.layers.0.self_attn.attn'.")
+        if cache_config.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_config.cache_dtype!r}.")
+        sliding_window = (
+            per_layer_sliding_window if per_layer_sliding_window is not None else cache_config.sliding_window
+        )
+
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = cache_config.cache_dtype
+        self.block_size = cache_config.block_size
+        self.calculate_kv_scales = cache_config.calculate_kv_scales
+        self.use_mla = use_mla
+        self.use_sparse = use_sparse
+        self.has_sink = extra_impl_args.get("sinks") is not None
+        self.layer_name = prefix
+        self.attn_type = attn_type
+        self.dtype = torch.get_default_dtype()
+
+        # fp8 scales: device tensors (buffers, so .to(device) moves them) and host copies.
+        for name in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale"):
+            self.register_buffer(name, torch.tensor(1.0, dtype=torch.float32), persistent=False)
+        self._q_scale_float = 1.0
+        self._k_scale_float = 1.0
+        self._v_scale_float = 1.0
+        self._o_scale_float: float | None = None
+        self.q_range = float(envs.VATTN_Q_SCALE_CONSTANT)
+        self.k_range = float(envs.VATTN_K_SCALE_CONSTANT)
+        self.v_range = float(envs.VATTN_V_SCALE_CONSTANT)
+
+        self.quant_method = quant_config.get_quant_method(self, prefix=prefix) if quant_config else None
+        if self.quant_method is not None:
+            if self.kv_cache_dtype == "fp8_e5m2":
+                raise ValueError(
+                    "cache_dtype='fp8_e5m2' is not supported with fp8 checkpoints (their scales are "
+                    "for e4m3); use cache_dtype='fp8' or 'fp8_e4m3'."
+                )
+            self.quant_method.create_weights(self)
+
+        self.attn_backend = _resolve_backend(
+            attn_backend,
+            head_size=head_size,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_size=self.block_size,
+            use_mla=use_mla,
+            has_sink=self.has_sink,
+            use_sparse=use_sparse,
+        )
+        impl_cls = self.attn_backend.get_impl_cls()
+        self.impl = impl_cls(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            self.kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+            **extra_impl_args,
+        )
+        from vattn.platform import current_platform
+        from vattn.selector import backend_name_to_enum
+
+        self.backend = backend_name_to_enum(self.attn_backend.get_name())
+        self.use_direct_call = not current_platform.opaque_attention_op()
+        self.use_output = self.attn_backend.accept_output_buffer
+
+        context = vattn_config.compilation.static_forward_context
+        if prefix in context:
+            raise ValueError(
+                f"Duplicate layer name: {prefix!r} is already registered in the current vattn config; "
+                "give every vattn.Attention a unique prefix (e.g. f'model.layers.{i}.self_attn.attn')."
+            )
+        if kv_sharing_target_layer_name is not None:
+            validate_kv_sharing_target(prefix, kv_sharing_target_layer_name, context)
+            target = context[kv_sharing_target_layer_name]
+            if target.attn_type != attn_type:
+                raise ValueError(
+                    f"kv_sharing_target_layer_name={kv_sharing_target_layer_name!r} has attn_type "
+                    f"{target.attn_type!r}, but layer {prefix!r} has {attn_type!r}; KV sharing needs "
+                    "the same attention type."
+                )
+        context[prefix] = self
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # Replaced by vattn.allocate_kv_cache / bind_kv_cache (one entry per virtual engine).
+        self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
+
+        self.query_quant: QuantFP8 | None = None
+        if is_fp8_kv_cache(self.kv_cache_dtype) and self.attn_backend.supports_quant_query_input:
+            fp8 = fp8_dtype_for(self.kv_cache_dtype)
+            assert fp8 is not None
+            self.query_quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, dtype=fp8)
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _check_inputs(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+        hq, hk = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        if query.shape[-1] != hq and tuple(query.shape[-2:]) != (self.num_heads, self.head_size):
+            raise ValueError(
+                f"{self.layer_name}: query last dim must be num_heads * head_size = {self.num_heads} * "
+                f"{self.head_size} = {hq}, got shape {tuple(query.shape)}; check the q projection's width."
+            )
+        for name, t in (("key", key), ("value", value)):
+            if t is None:
+                continue
+            if t.shape[-1] != hk and tuple(t.shape[-2:]) != (self.num_kv_heads, self.head_size):
+                raise ValueError(
+                    f"{self.layer_name}: {name} last dim must be num_kv_heads * head_size = "
+                    f"{self.num_kv_heads} * {self.head_size} = {hk}, got shape {tuple(t.shape)}."
+                )
+            if t.dtype != query.dtype and self.query_quant is None:
+                raise TypeError(
+                    f"{self.layer_name}: {name} dtype {t.dtype} differs from query dtype {query.dtype}; "
+                    "cast q, k and v to the model dtype."
+                )
+            if t.device != query.device:
+                raise ValueError(
+                    f"{self.layer_name}: {name} is on {t.device} but query is on {query.device}; "
+                    "move the inputs to one device."
+                )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        output_shape: torch.Size | None = None,
+    ) -> torch.Tensor:
+        """Attend over the paged cache. Shapes in the class docstring; returns (T, H*D)."""
+        self._check_inputs(query, key, value)
+        if self.calculate_kv_scales:
+            torch.ops.vattn.maybe_calc_kv_scales(
+                query, key, value, self._q_scale, self._k_scale, self._v_scale, self.layer_name
+            )
+        output_dtype = query.dtype
+        if self.query_quant is not None:
+            # Plain torch ops: Inductor fuses this into the op that produced q.
+            query, _ = self.query_quant(query, self._q_scale)
+        hidden_size = self.num_heads * self.head_size
+        if output_shape is None:
+            output_shape = torch.Size((query.shape[0], hidden_size))
+        query = query.view(-1, self.num_heads, self.head_size)
+        if key is not None:
+            key = key.view(-1, self.num_kv_heads, self.head_size)
+        if value is not None:
+            value = value.view(-1, self.num_kv_heads, self.head_size)
+
+        if self.use_output:
+            output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
+            output = output.view(-1, self.num_heads, self.head_size)
+            if self.use_direct_call:
+                self._direct_forward(query, key, value, output)
+            else:
+                torch.ops.vattn.unified_attention_with_output(query, key, value, output, self.layer_name)
+            return output.view(-1, output_shape[-1])
+        if self.use_direct_call:
+            out = self._direct_forward(query, key, value, None)
+        else:
+            out = torch.ops.vattn.unified_attention(query, key, value, self.layer_name)
+        return out.reshape(-1, hidden_size)
+
+    def _direct_forward(self, query, key, value, output):  # type: ignore[no-untyped-def]
+        ctx = get_forward_context()
+        md = ctx.metadata_for(self.layer_name)
+        if md is None:
+            return output.zero_() if output is not None else torch.zeros_like(query)
+        return self.impl.forward(self, query, key, value, self.kv_cache[ctx.virtual_engine], md, output=output)
+
+    # ---- fp8 scales and loading ---------------------------------------------------------
+
+    def calc_kv_scales(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Set the fp8 q/k/v scales from this batch's absolute maxima (done once)."""
+        self._q_scale.copy_(query.abs().max().float() / self.q_range)
+        self._k_scale.copy_(key.abs().max().float() / self.k_range)
+        self._v_scale.copy_(value.abs().max().float() / self.v_range)
+        for name in ("_q_scale", "_k_scale", "_v_scale"):  # a zero batch must not give scale 0
+            getattr(self, name).clamp_(min=torch.finfo(torch.float32).tiny)
+        self._q_scale_float = self._q_scale.item()
+        self._k_scale_float = self._k_scale.item()
+        self._v_scale_float = self._v_scale.item()
+        self.calculate_kv_scales = False
+
+    def set_kv_scales(self, k_scale: float, v_scale: float, q_scale: float | None = None) -> None:
+        """Set checkpoint-provided fp8 scales (device tensors and host copies)."""
+        for name, val in (("_k_scale", k_scale), ("_v_scale", v_scale), ("_q_scale", q_scale)):
+            if val is None:
+                continue
+            if not val > 0:
+                raise ValueError(f"{self.layer_name}: {name[1:]} must be > 0, got {val}.")
+            getattr(self, name).fill_(float(val))
+            setattr(self, name + "_float", float(val))
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+        self.impl.process_weights_after_loading(act_dtype)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return self.attn_backend
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_size={self.head_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"scale={self.impl.scale}, backend={self.impl.__class__.__name__}, name={self.layer_name!r}"
+        )

@@ -1,0 +1,218 @@
+"""The ``vattn::`` custom ops: attention (an opaque graph split point) and the KV-cache write.
+
+Every op is registered through ``register_op`` on one ``Library("vattn", "FRAGMENT")``
+(define + impl + fake, no decorator machinery on the call path); its fake is right below
+the real implementation. Mutating ops mutate a caller-allocated tensor and return nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.library import Library, infer_schema
+
+from vattn.forward_context import get_forward_context
+
+__all__ = ["register_op", "vattn_lib"]
+
+vattn_lib = Library("vattn", "FRAGMENT")
+
+
+def register_op(
+    name: str,
+    impl: Callable[..., object],
+    *,
+    mutates_args: Sequence[str],
+    fake_impl: Callable[..., object],
+    dispatch_key: str = "CompositeExplicitAutograd",
+    tags: tuple[torch.Tag, ...] = (),
+) -> None:
+    """Define ``vattn::<name>`` from ``impl``'s type hints, with its fake implementation.
+
+    ``CompositeExplicitAutograd`` serves every device with one kernel and keeps the op opaque
+    to autograd and Dynamo.
+    """
+    schema = infer_schema(impl, mutates_args=list(mutates_args))
+    vattn_lib.define(name + schema, tags=tags)
+    vattn_lib.impl(name, impl, dispatch_key)
+    torch.library.register_fake(f"vattn::{name}", fake_impl, lib=vattn_lib)
+
+
+# ---- attention ------------------------------------------------------------------------
+
+
+def _run_layer(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor | None,
+    layer_name: str,
+    output_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    ctx = get_forward_context()
+    layer = ctx.layer(layer_name)
+    attn_metadata = ctx.metadata_for(layer_name)
+    kv_cache = layer.kv_cache[ctx.virtual_engine]
+    if attn_metadata is None:  # warm-up / profile run: cache untouched, zeros out
+        if output is None:
+            return torch.zeros_like(query)
+        output.zero_()
+        return output
+    _check_cache(layer, query, key, kv_cache)
+    return layer.impl.forward(
+        layer, query, key, value, kv_cache, attn_metadata, output=output, output_scale=output_scale
+    )
+
+
+def _check_cache(layer, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """Cheap host checks (no sync) that the layer's cache is bound and matches the inputs."""
+    if layer.attn_type in ("encoder", "encoder_only"):
+        return
+    if kv_cache.numel() == 0:
+        raise RuntimeError(
+            f"{layer.layer_name}: KV cache not allocated/bound; call "
+            "vattn.allocate_kv_cache(cfg, num_blocks=..., device=...) after building the model."
+        )
+    if kv_cache.device != query.device:
+        raise ValueError(
+            f"{layer.layer_name}: KV cache is on {kv_cache.device} but the query is on {query.device}; "
+            "allocate the cache on the model's device."
+        )
+    if key is not None and kv_cache.dtype != key.dtype and not layer.kv_cache_dtype.startswith("fp8"):
+        raise TypeError(
+            f"{layer.layer_name}: KV cache dtype {kv_cache.dtype} does not match key dtype {key.dtype}; "
+            "allocate the cache with dtype= the model dtype (vattn.allocate_kv_cache(..., dtype=...))."
+        )
+
+
+def unified_attention_with_output(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor,
+    layer_name: str,
+    output_scale: torch.Tensor | None = None,
+) -> None:
+    """Attention of layer ``layer_name`` written into ``output`` (T, H, D); see ``vattn.Attention``."""
+    _run_layer(query, key, value, output, layer_name, output_scale)
+
+
+def _unified_attention_with_output_fake(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor,
+    layer_name: str,
+    output_scale: torch.Tensor | None = None,
+) -> None:
+    return None
+
+
+register_op(
+    "unified_attention_with_output",
+    unified_attention_with_output,
+    mutates_args=["output"],
+    fake_impl=_unified_attention_with_output_fake,
+)
+
+
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
+) -> torch.Tensor:
+    """Attention of layer ``layer_name`` for backends without an output buffer; returns (T, H, D)."""
+    return _run_layer(query, key, value, None, layer_name).clone()
+
+
+def _unified_attention_fake(
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
+) -> torch.Tensor:
+    return torch.empty_like(query).contiguous()
+
+
+register_op(
+    "unified_attention",
+    unified_attention,
+    mutates_args=[],
+    fake_impl=_unified_attention_fake,
+)
+
+
+# ---- fp8 scales -----------------------------------------------------------------------
+
+
+def maybe_calc_kv_scales(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """Compute the layer's fp8 q/k/v scales from this batch, once (writes the three scale tensors)."""
+    ctx = get_forward_context()
+    layer = ctx.layer(layer_name)
+    if ctx.metadata_for(layer_name) is None or not layer.calculate_kv_scales:
+        return
+    layer.calc_kv_scales(query, key, value)
+
+
+def _maybe_calc_kv_scales_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    layer_name: str,
+) -> None:
+    return None
+
+
+register_op(
+    "maybe_calc_kv_scales",
+    maybe_calc_kv_scales,
+    mutates_args=["q_scale", "k_scale", "v_scale"],
+    fake_impl=_maybe_calc_kv_scales_fake,
+)
+
+
+# ---- KV-cache write -------------------------------------------------------------------
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write key/value (T, Hk, D) into key_cache/value_cache (num_blocks, block_size, Hk, D) at slot_mapping."""
+    from vattn.ops.kv_store import store_kv
+
+    store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def _reshape_and_cache_flash_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    return None
+
+
+register_op(
+    "reshape_and_cache_flash",
+    reshape_and_cache_flash,
+    mutates_args=["key_cache", "value_cache"],
+    fake_impl=_reshape_and_cache_flash_fake,
+)

@@ -1,0 +1,94 @@
+"""Writing new K/V into the paged cache: one function every backend calls.
+
+On CUDA it launches the Triton KV-store kernel (no host sync; negative slots skipped in
+the kernel); elsewhere it uses torch indexing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["store_kv", "fp8_dtype_for", "kv_cache_torch_dtype"]
+
+_FP8 = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_PLAIN = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def fp8_dtype_for(kv_cache_dtype: str) -> torch.dtype | None:
+    """The fp8 torch dtype stored for a ``cache_dtype`` string, or None for non-fp8 caches."""
+    return _FP8.get(kv_cache_dtype)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache of ``kv_cache_dtype`` ("auto" = model dtype) stores."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in _FP8:
+        return _FP8[kv_cache_dtype]
+    if kv_cache_dtype in _PLAIN:
+        return _PLAIN[kv_cache_dtype]
+    raise ValueError(
+        f"kv_cache_dtype must be one of {['auto', *_PLAIN, *_FP8]}, got {kv_cache_dtype!r}."
+    )
+
+
+def quantize_to_cache(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating fp8 quantization ``x / scale`` (plain torch ops)."""
+    finfo = torch.finfo(dtype)
+    return (x.float() / scale.float()).clamp(finfo.min, finfo.max).to(dtype)
+
+
+def _torch_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    n = min(key.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:n].long()
+    valid = slots >= 0  # boolean indexing: syncs on CUDA, fine on CPU
+    slots = slots[valid]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k, v = key[:n][valid], value[:n][valid]
+    if key_cache.dtype != k.dtype and key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k = quantize_to_cache(k, k_scale, key_cache.dtype)
+        v = quantize_to_cache(v, v_scale, value_cache.dtype)
+    key_cache[blocks, offsets] = k.to(key_cache.dtype)
+    value_cache[blocks, offsets] = v.to(value_cache.dtype)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` rows into the paged cache at ``slot_mapping``.
+
+    | tensor | shape |
+    | --- | --- |
+    | key, value | (T, Hk, D) |
+    | key_cache, value_cache | (num_blocks, block_size, Hk, D), any strides (NHD or HND) |
+    | slot_mapping | (>= T,) int; slot = block * block_size + offset; < 0 skips the row |
+    | k_scale, v_scale | 0-dim float32; fp8 caches store ``x / scale`` |
+
+    Only the first ``min(T, len(slot_mapping))`` rows are considered.
+    """
+    if key_cache.is_cuda:
+        from vattn.ops.triton_kv_store import triton_store_kv
+
+        triton_store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+        return
+    _torch_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

@@ -1,0 +1,266 @@
+"""Choose the attention backend for a layer's configuration.
+
+Override order (first that is set wins):
+
+1. a globally forced backend (``global_force_attn_backend`` or its context manager);
+2. the ``VATTN_ATTENTION_BACKEND`` environment variable (a member name of ``AttentionBackendEnum``);
+3. the platform's priority list (``vattn.platform``): the first backend that can serve the
+   configuration.
+
+A forced backend (1 or 2) that cannot serve the configuration is an error saying why; it
+never falls back silently. Each backend states its reasons through
+``AttentionBackend.validate_configuration``; a backend whose module fails to import (its
+library is not installed, or it is not implemented yet) counts as unavailable, with the
+import error as its reason. When no backend can serve, the error lists every candidate
+with its reasons.
+
+Selections are cached per configuration; the forced backend, the environment variable and
+the registry's override generation are part of the cache key, so changing any of them
+takes effect on the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Iterator
+
+import torch
+
+from vattn import envs
+from vattn.backends.abstract import AttentionBackend
+from vattn.backends.registry import AttentionBackendEnum, registry_generation
+from vattn.config import CACHE_DTYPES
+from vattn.platform import Platform, current_platform
+
+__all__ = [
+    "backend_name_to_enum",
+    "get_attn_backend",
+    "get_env_variable_attn_backend",
+    "get_global_forced_attn_backend",
+    "global_force_attn_backend",
+    "global_force_attn_backend_context_manager",
+]
+
+logger = logging.getLogger("vattn.selector")
+
+STR_BACKEND_ENV_VAR = "VATTN_ATTENTION_BACKEND"
+
+
+class _ForcedBackend:
+    """Holds the globally forced backend (``None``: automatic selection)."""
+
+    backend: AttentionBackendEnum | None = None
+
+
+def backend_name_to_enum(backend_name: str) -> AttentionBackendEnum | None:
+    """The ``AttentionBackendEnum`` member named ``backend_name`` (case-insensitive), or ``None``.
+
+    ``None`` means the name is not a vattn backend. Use ``AttentionBackendEnum[name]``
+    for an error that lists the valid names instead.
+    """
+    if not isinstance(backend_name, str):
+        raise TypeError(
+            f"backend_name must be a str such as 'TORCH_SDPA', got {type(backend_name).__name__}."
+        )
+    key = backend_name.strip().upper()
+    return AttentionBackendEnum.__members__.get(key)
+
+
+def get_env_variable_attn_backend() -> AttentionBackendEnum | None:
+    """The backend named by ``VATTN_ATTENTION_BACKEND``, or ``None`` when it is unset.
+
+    Raises:
+        ValueError: the variable names no backend (the message lists the valid names).
+    """
+    name = envs.VATTN_ATTENTION_BACKEND
+    if name is None:
+        return None
+    return _env_name_to_enum(name)
+
+
+def _env_name_to_enum(name: str) -> AttentionBackendEnum:
+    backend = backend_name_to_enum(name)
+    if backend is None:
+        valid = ", ".join(AttentionBackendEnum.__members__)
+        raise ValueError(
+            f"{STR_BACKEND_ENV_VAR}={name!r} is not an attention backend. Valid options are: "
+            f"{valid}. Set it to one of these or unset it for automatic selection."
+        )
+    return backend
+
+
+def global_force_attn_backend(attn_backend: AttentionBackendEnum | str | None) -> None:
+    """Force every later ``get_attn_backend`` call to use ``attn_backend`` (``None``: automatic).
+
+    Overrides ``VATTN_ATTENTION_BACKEND``. A name string is accepted and must be valid.
+    """
+    if isinstance(attn_backend, str):
+        attn_backend = AttentionBackendEnum[attn_backend.strip().upper()]
+    if attn_backend is not None and not isinstance(attn_backend, AttentionBackendEnum):
+        raise TypeError(
+            "global_force_attn_backend: attn_backend must be an AttentionBackendEnum member, a "
+            f"backend name or None, got {attn_backend!r}."
+        )
+    _ForcedBackend.backend = attn_backend
+
+
+def get_global_forced_attn_backend() -> AttentionBackendEnum | None:
+    """The globally forced backend, or ``None`` when selection is automatic."""
+    return _ForcedBackend.backend
+
+
+@contextlib.contextmanager
+def global_force_attn_backend_context_manager(
+    attn_backend: AttentionBackendEnum | str | None,
+) -> Iterator[None]:
+    """Force ``attn_backend`` inside the block; restore the previous value on exit, even on error.
+
+    The selection cache is cleared on entry and exit.
+    """
+    original = get_global_forced_attn_backend()
+    global_force_attn_backend(attn_backend)
+    _cached_get_attn_backend.cache_clear()
+    try:
+        yield
+    finally:
+        global_force_attn_backend(original)
+        _cached_get_attn_backend.cache_clear()
+
+
+def get_attn_backend(
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | None,
+    block_size: int,
+    use_mla: bool = False,
+    has_sink: bool = False,
+    use_sparse: bool = False,
+) -> type[AttentionBackend]:
+    """Select the attention backend for a configuration and import it.
+
+    Args:
+        head_size: per-head dimension D.
+        dtype: the model (query) dtype.
+        kv_cache_dtype: a ``CacheConfig.cache_dtype`` string (``None`` = ``"auto"``).
+        block_size: tokens per KV-cache block.
+        use_mla: the layer is multi-head latent attention.
+        has_sink: the layer has attention-sink logits.
+        use_sparse: the layer uses sparse attention.
+
+    Returns:
+        The backend class (a subclass of ``AttentionBackend``).
+
+    Raises:
+        ValueError: no backend can serve the configuration, a forced backend cannot, or
+            ``VATTN_ATTENTION_BACKEND`` names no backend. The message gives every reason.
+    """
+    if not isinstance(head_size, int) or isinstance(head_size, bool) or head_size <= 0:
+        raise ValueError(f"get_attn_backend: head_size must be a positive int, got {head_size!r}.")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"get_attn_backend: block_size must be a positive int, got {block_size!r}.")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"get_attn_backend: dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}."
+        )
+    if kv_cache_dtype is not None and kv_cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"get_attn_backend: kv_cache_dtype must be None or one of {CACHE_DTYPES}, "
+            f"got {kv_cache_dtype!r}."
+        )
+    # Read the mutable inputs here and pass them to the cached function explicitly, so a
+    # change of any of them can never return a stale cached selection.
+    return _cached_get_attn_backend(
+        head_size,
+        dtype,
+        kv_cache_dtype,
+        block_size,
+        bool(use_mla),
+        bool(has_sink),
+        bool(use_sparse),
+        forced_backend=get_global_forced_attn_backend(),
+        env_backend=envs.VATTN_ATTENTION_BACKEND,
+        platform=current_platform,
+        generation=registry_generation(),
+    )
+
+
+def _reasons_against(
+    backend: AttentionBackendEnum, config: tuple
+) -> tuple[type[AttentionBackend] | None, list[str]]:
+    """Import ``backend`` and ask it why it cannot serve ``config`` (empty list: it can)."""
+    try:
+        cls = backend.get_class()
+    except (ImportError, ValueError) as e:
+        return None, [str(e)]
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        return None, [
+            f"{cls!r} is not a subclass of vattn.backends.abstract.AttentionBackend; "
+            "register a class that derives from it"
+        ]
+    try:
+        reasons = list(cls.validate_configuration(*config))
+    except ImportError as e:  # e.g. is_available() probing a missing library
+        return None, [f"unavailable: {e}"]
+    return cls, reasons
+
+
+def _describe(config: tuple) -> str:
+    head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse = config
+    return (
+        f"head_size={head_size}, dtype={dtype}, kv_cache_dtype={kv_cache_dtype!r}, "
+        f"block_size={block_size}, use_mla={use_mla}, has_sink={has_sink}, use_sparse={use_sparse}"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_get_attn_backend(
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | None,
+    block_size: int,
+    use_mla: bool,
+    has_sink: bool,
+    use_sparse: bool,
+    *,
+    forced_backend: AttentionBackendEnum | None,
+    env_backend: str | None,
+    platform: Platform,
+    generation: int,
+) -> type[AttentionBackend]:
+    config = (head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse)
+
+    selected, source = None, ""
+    if forced_backend is not None:
+        selected, source = forced_backend, "global_force_attn_backend"
+    elif env_backend is not None:
+        selected, source = _env_name_to_enum(env_backend), f"{STR_BACKEND_ENV_VAR}={env_backend!r}"
+
+    if selected is not None:
+        cls, reasons = _reasons_against(selected, config)
+        if reasons or cls is None:
+            raise ValueError(
+                f"attention backend {selected.name} (forced by {source}) cannot serve "
+                f"{_describe(config)}: {'; '.join(reasons)}. Force another backend or remove the "
+                "override for automatic selection."
+            )
+        logger.info("Using attention backend %s (forced by %s).", selected.name, source)
+        return cls
+
+    candidates = platform.get_attn_backend_priority(*config)
+    rejected: list[str] = []
+    for backend in candidates:
+        cls, reasons = _reasons_against(backend, config)
+        if cls is not None and not reasons:
+            logger.info("Using attention backend %s on %s.", backend.name, platform.device_type)
+            return cls
+        rejected.append(f"  {backend.name}: {'; '.join(reasons)}")
+    listing = "\n".join(rejected) if rejected else "  (the platform lists no candidates)"
+    raise ValueError(
+        f"no attention backend on {platform.device_type} can serve {_describe(config)}.\n"
+        f"Candidates and why they were rejected:\n{listing}\n"
+        f"Change the configuration, install a backend's library, or register a backend with "
+        f"vattn.register_backend(AttentionBackendEnum.CUSTOM) and force it with "
+        f"{STR_BACKEND_ENV_VAR}=CUSTOM."
+    )
