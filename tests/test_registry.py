@@ -9,6 +9,7 @@ import pytest
 
 from vattn.backends.abstract import AttentionBackend
 from vattn.backends.registry import (
+    _OVERRIDES,
     MAMBA_TYPE_TO_BACKEND_MAP,
     AttentionBackendEnum,
     MambaAttentionBackendEnum,
@@ -20,11 +21,17 @@ B = AttentionBackendEnum
 
 
 @pytest.fixture(autouse=True)
-def _clear_overrides():
+def _restore_overrides():
+    """Each test starts without overrides; whatever was registered before is restored after."""
+    saved = dict(_OVERRIDES.paths), dict(_OVERRIDES.classes)
+    for member in list(_OVERRIDES.paths):
+        member.clear_override()
     yield
-    for enum_cls in (AttentionBackendEnum, MambaAttentionBackendEnum):
-        for member in enum_cls:
-            member.clear_override()
+    for member in list(_OVERRIDES.paths):
+        member.clear_override()
+    _OVERRIDES.paths.update(saved[0])
+    _OVERRIDES.classes.update(saved[1])
+    _OVERRIDES.generation += 1
 
 
 @pytest.fixture
@@ -95,17 +102,18 @@ def test_missing_module_import_error_names_backend():
         MambaAttentionBackendEnum.MAMBA2.get_class()
 
 
-def test_missing_class_and_missing_dependency(monkeypatch, fake_module):
+def test_missing_class_and_missing_dependency(monkeypatch, tmp_path, fake_module):
     register_backend(B.CUSTOM, "_vattn_fake_backends.NoSuchClass")
     with pytest.raises(ImportError, match=r"CUSTOM.*has no class 'NoSuchClass'"):
         B.CUSTOM.get_class()
     # A module that exists but whose own import fails on a missing library.
-    broken = types.ModuleType("_vattn_broken_backend")
-    monkeypatch.setitem(sys.modules, "_vattn_broken_backend", None)  # import -> ImportError
+    (tmp_path / "_vattn_broken_backend.py").write_text("import _vattn_not_installed_lib\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     register_backend(B.CUSTOM, "_vattn_broken_backend.X")
-    with pytest.raises(ImportError, match=r"CUSTOM: importing '_vattn_broken_backend' failed"):
+    with pytest.raises(ImportError, match=r"CUSTOM: importing '_vattn_broken_backend' failed because "
+                       r"'_vattn_not_installed_lib' is not installed"):
         B.CUSTOM.get_class()
-    del broken
+    monkeypatch.delitem(sys.modules, "_vattn_broken_backend", raising=False)
 
 
 def test_class_path_override_and_clear(fake_module):

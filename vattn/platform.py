@@ -10,7 +10,7 @@ Backend priority (the selector tries these in order and takes the first whose
 | cuda | standard attention | FLASH_ATTN (flash-attn-4 / FA3 / FA2), FLASHINFER, TRITON_ATTN, TORCH_SDPA |
 | cuda | MLA (``use_mla``) | FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, TRITON_MLA |
 | cpu | standard attention | TORCH_SDPA |
-| cpu | MLA | (none) |
+| cpu | MLA | TORCH_SDPA (which states why it cannot serve MLA, if it cannot) |
 
 Why this order on CUDA: FlashAttention and FlashInfer are the fastest tuned kernels where
 installed (each reports itself unavailable otherwise); vattn's Triton kernels need only
@@ -134,7 +134,7 @@ class CpuPlatform(Platform):
 
     device_type = "cpu"
     attention_priority = (_B.TORCH_SDPA,)
-    mla_priority = ()
+    mla_priority = (_B.TORCH_SDPA,)
 
 
 @functools.lru_cache(maxsize=1)

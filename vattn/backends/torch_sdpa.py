@@ -308,7 +308,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             x = x * scale.float()
         # Invalid positions read slot 0, which may hold anything (even NaN): zero them.
-        return torch.where(md.key_valid[:, :, None, None], x, 0.0)
+        return x
 
     def _mask(self, q_pos: torch.Tensor, key_valid: torch.Tensor, causal: bool) -> torch.Tensor:
         """(B, Lq, Lk) bool, True = attend. Rows with nothing to attend to are opened fully

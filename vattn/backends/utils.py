@@ -288,15 +288,14 @@ def split_decodes_and_prefills(
 ) -> tuple[int, int, int, int]:
     """Find the decode/prefill boundary of a batch ordered decodes first.
 
-    A decode is a request with at most ``decode_threshold`` new tokens. Host-only: reads
-    ``query_start_loc_cpu``.
+    A decode is a request with at most ``decode_threshold`` new tokens. The decodes are
+    the leading run of such requests; every request from the first longer one on counts
+    as a prefill (so CUDA-graph padding requests, which come last, join the prefills, and
+    an unordered batch is never split wrongly, only less efficiently: a prefill path
+    handles any query length). Host-only: reads ``query_start_loc_cpu``.
 
     Returns:
         ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
-
-    Raises:
-        ValueError: a decode follows a prefill (reorder the batch first with
-            ``reorder_batch_to_split_decodes_and_prefills``).
     """
     num_reqs = common_attn_metadata.num_reqs
     num_tokens = common_attn_metadata.num_actual_tokens
@@ -307,14 +306,6 @@ def split_decodes_and_prefills(
     if not bool(is_prefill.any()):
         return num_reqs, 0, num_tokens, 0
     first_prefill = int(is_prefill.int().argmax())
-    if not bool(is_prefill[first_prefill:].all()):
-        late = first_prefill + int((~is_prefill[first_prefill:]).int().argmax())
-        raise ValueError(
-            f"split_decodes_and_prefills: the batch must be ordered decodes first, but request "
-            f"{late} (query length <= decode_threshold={decode_threshold}) follows the prefill "
-            f"at request {first_prefill}. Reorder it with "
-            "reorder_batch_to_split_decodes_and_prefills before building metadata."
-        )
     num_decode_tokens = int(qsl[first_prefill] - qsl[0])
     return first_prefill, num_reqs - first_prefill, num_decode_tokens, num_tokens - num_decode_tokens
 
@@ -392,8 +383,8 @@ def make_local_attention_virtual_batches(
     cols = (k_start // block_size)[:, None] + np.arange(pages)[None, :]
     cols = np.minimum(cols, block_table.shape[1] - 1)
     device = block_table.device
-    rows_t = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(req[:, None], cols.shape)))
-    block_table_local = block_table[rows_t.to(device), torch.from_numpy(cols).to(device)]
+    rows_t = torch.from_numpy(req[:, None]).to(device)  # broadcasts against the columns
+    block_table_local = block_table[rows_t, torch.from_numpy(cols).to(device)]
     return seqlens_q_local, cu_seqlens_q_local, seqlens_k_local, block_table_local
 
 

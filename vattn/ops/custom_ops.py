@@ -60,6 +60,8 @@ def _run_layer(
         output.zero_()
         return output
     _check_cache(layer, query, key, kv_cache)
+    if output is None and layer.use_output:
+        output = torch.empty_like(query)
     return layer.impl.forward(
         layer, query, key, value, kv_cache, attn_metadata, output=output, output_scale=output_scale
     )

@@ -61,8 +61,9 @@ def _torch_store_kv(
     if key_cache.dtype != k.dtype and key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         k = quantize_to_cache(k, k_scale, key_cache.dtype)
         v = quantize_to_cache(v, v_scale, value_cache.dtype)
-    key_cache[blocks, offsets] = k.to(key_cache.dtype)
-    value_cache[blocks, offsets] = v.to(value_cache.dtype)
+    with torch.no_grad():  # the cache never carries autograd history
+        key_cache[blocks, offsets] = k.to(key_cache.dtype)
+        value_cache[blocks, offsets] = v.to(value_cache.dtype)
 
 
 def store_kv(

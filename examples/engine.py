@@ -1,0 +1,330 @@
+"""A small continuous-batching engine over vattn's paged KV cache.
+
+Three pieces, each a few dozen lines:
+
+* ``BlockAllocator`` hands out KV-cache block ids (pages) and takes them back.
+* ``Scheduler`` picks, every step, which requests run and how many new tokens each gets,
+  under a token budget: running decodes first (one token each), then chunked prefills of
+  running requests, then newly arrived requests. When the cache is full it preempts the
+  most recently admitted request (its blocks are freed; it is recomputed later).
+* ``Engine`` turns the schedule into ``input_ids``/``positions`` and vattn metadata
+  (``vattn.build_common_attn_metadata`` -> ``kv.build_metadata``), runs the model in
+  ``vattn.set_forward_context``, samples, and feeds the tokens back.
+
+A request's tokens are ``prompt + outputs``; ``num_computed_tokens`` of them have K/V in the
+cache. The step gives it ``n`` new tokens; when that reaches its last token the logits of
+that position sample its next token (a chunk that ends mid-prompt samples nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import vattn
+
+__all__ = ["BlockAllocator", "Engine", "Request", "SamplingParams", "Scheduler", "sample"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy; otherwise softmax(logits / temperature) restricted to the top-p mass."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_step: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens whose K/V are not in the cache yet (1 for a decoding request)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_token_ids) >= self.sampling.max_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        return (self.prompt_token_ids[start:end] if start < p else []) + self.output_token_ids[
+            max(start - p, 0) : max(end - p, 0)]
+
+
+class BlockAllocator:
+    """Free list over ``num_blocks`` KV-cache blocks; remembers each block's owner to catch double use."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._owner: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int, owner: int) -> list[int] | None:
+        """``n`` block ids for request ``owner``, or None (nothing taken) if fewer are free."""
+        if n > len(self._free):
+            return None
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            assert b not in self._owner, f"block {b} handed out twice"
+            self._owner[b] = owner
+        return blocks
+
+    def free(self, blocks: list[int], owner: int) -> None:
+        for b in blocks:
+            assert self._owner.pop(b, None) == owner, f"request {owner} frees block {b} it does not own"
+            self._free.append(b)
+
+    def check(self, requests: list[Request]) -> None:
+        """Invariants: every block is free xor owned by exactly one of ``requests``."""
+        owned = [b for r in requests for b in r.block_ids]
+        assert len(owned) == len(set(owned)), "a block is owned by two requests"
+        assert set(owned) == set(self._owner), "allocator and requests disagree on owned blocks"
+        assert not set(owned) & set(self._free), "an owned block is also free"
+        assert len(owned) + len(self._free) == self.num_blocks, "blocks leaked"
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill under ``max_num_batched_tokens`` (decodes first)."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 64, chunked_prefill: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        need = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // self.block_size)
+        if need > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {req.req_id} needs {need} KV blocks (prompt {len(req.prompt_token_ids)} + "
+                f"max_tokens {req.sampling.max_tokens}) but the cache has {self.allocator.num_blocks}; "
+                "allocate more blocks or shorten the request.")
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, req: Request, n: int) -> bool:
+        need = -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        blocks = self.allocator.allocate(need, req.req_id)
+        if blocks is None:
+            return False
+        req.block_ids += blocks
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.block_ids, req.req_id)
+        req.block_ids, req.num_computed_tokens = [], 0
+        req.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def schedule(self, step: int) -> list[tuple[Request, int]]:
+        """``[(request, num_new_tokens)]`` for this step, decodes (1 token) first."""
+        budget = self.max_num_batched_tokens
+        queue = [r for r in self.running if r.num_remaining == 1] + [
+            r for r in self.running if r.num_remaining > 1]
+        out: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(queue) and budget > 0:
+            req = queue[i]
+            n = min(req.num_remaining, budget)
+            while not self._grow(req, n):
+                victim = queue.pop()  # the lowest-priority request not scheduled yet (maybe req)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.append((req, n))
+                budget -= n
+                i += 1
+        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.waiting[0].arrival_step <= step):
+            req = self.waiting[0]
+            n = min(req.num_remaining, budget)
+            if (n < req.num_remaining and not self.chunked_prefill) or not self._grow(req, n):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            out.append((req, n))
+            budget -= n
+        return out
+
+    def update(self, scheduled: list[tuple[Request, int]], sampled: dict[int, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (``req_id -> token``); returns newly finished."""
+        done = []
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+            if req.req_id in sampled:
+                req.output_token_ids.append(sampled[req.req_id])
+                if req.finished:
+                    self.allocator.free(req.block_ids, req.req_id)
+                    req.block_ids = []
+                    self.running.remove(req)
+                    self.finished.append(req)
+                    done.append(req)
+        return done
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """(N, V) logits, (N,) temperature and top_p -> (N,) int64 tokens.
+
+    Greedy where ``temperature == 0`` (or everywhere when ``temperature`` is None).
+    """
+    greedy = logits.argmax(dim=-1)
+    if temperature is None:
+        return greedy
+    if top_p is None:
+        top_p = torch.ones_like(temperature)
+    probs = torch.softmax(logits.float() / temperature.clamp_min(1e-5)[:, None], dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    choice = torch.multinomial(sorted_probs.masked_fill(drop, 0.0), 1, generator=generator)
+    return torch.where(temperature > 0, order.gather(-1, choice).squeeze(-1), greedy)
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_new_outputs: int
+    seconds: float
+
+
+class Engine:
+    """Runs requests to completion over ``kv`` with ``model``.
+
+    Args:
+        model: ``examples.model.DecoderForCausalLM`` (or anything with ``forward(ids, pos)``
+            and ``compute_logits``), built under ``vattn_config``.
+        kv: the ``vattn.PagedKVCache`` bound to the model's layers.
+        forward_fn: what runs ``model.forward`` (a compiled module, a CUDA-graph runner); default: model.
+        pad_tokens_to: pad each step's token count up to a multiple of this (padding has slot -1).
+        min_tokens: pad each step to at least this many tokens (2 avoids Dynamo's size-1 specialisation).
+        record_logits: keep every sampled row of logits (on CPU) in ``self.logits[req_id]`` (tests).
+    """
+
+    def __init__(self, model: torch.nn.Module, vattn_config: vattn.VattnConfig, kv: "vattn.PagedKVCache", *,
+                 device: torch.device | str, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 chunked_prefill: bool = True, forward_fn: Callable[..., torch.Tensor] | None = None,
+                 pad_tokens_to: int = 1, min_tokens: int = 1, seed: int = 0, record_logits: bool = False,
+                 check_invariants: bool = False) -> None:
+        self.model, self.cfg, self.kv = model, vattn_config, kv
+        self.device = torch.device(device)
+        self.forward_fn = forward_fn if forward_fn is not None else model
+        self.block_size = kv.block_size
+        self.allocator = BlockAllocator(kv.num_blocks)
+        self.scheduler = Scheduler(self.allocator, self.block_size, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
+        self.pad_tokens_to, self.min_tokens = pad_tokens_to, min_tokens
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.record_logits = record_logits
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self.check_invariants = check_invariants
+        self.step_count = 0
+        self._next_id = 0
+
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
+                    arrival_step: int = 0) -> Request:
+        req = Request(self._next_id, list(prompt_token_ids), sampling or SamplingParams(), arrival_step)
+        self._next_id += 1
+        self.scheduler.add(req)
+        return req
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, object, list[int]]:
+        """Host-side inputs for one step: (input_ids (T_pad,), positions (T_pad,), metadata, logit rows)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        for req, n in scheduled:
+            c = req.num_computed_tokens
+            ids += req.token_ids(c, c + n)
+            pos += range(c, c + n)
+            if c + n == req.num_tokens:
+                rows.append(len(ids) - 1)
+        t = len(ids)
+        t_pad = max(-(-t // self.pad_tokens_to) * self.pad_tokens_to, self.min_tokens)
+        common = vattn.build_common_attn_metadata(
+            query_lens=[n for _, n in scheduled],
+            num_computed_tokens=[r.num_computed_tokens for r, _ in scheduled],
+            block_tables=[r.block_ids for r, _ in scheduled],
+            block_size=self.block_size, device=self.device, num_tokens_padded=t_pad)
+        pad = [0] * (t_pad - t)
+        input_ids = torch.tensor(ids + pad, dtype=torch.long).to(self.device, non_blocking=True)
+        positions = torch.tensor(pos + pad, dtype=torch.long).to(self.device, non_blocking=True)
+        return input_ids, positions, self.kv.build_metadata(common), rows
+
+    @torch.inference_mode()
+    def step(self) -> StepStats:
+        """Schedule, run and sample one step (fast-forwards over steps where nothing has arrived)."""
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule(self.step_count)
+        while not scheduled and self.scheduler.waiting and not self.scheduler.running:
+            self.step_count = max(self.step_count + 1, self.scheduler.waiting[0].arrival_step)
+            scheduled = self.scheduler.schedule(self.step_count)
+        self.step_count += 1
+        if not scheduled:
+            return StepStats(0, 0, 0, 0.0)
+        # A decode computes one generated token; everything else is (chunked) prefill or recompute.
+        decode = sum(1 for r, n in scheduled if n == 1 and r.num_computed_tokens >= len(r.prompt_token_ids))
+        input_ids, positions, md, rows = self._prepare(scheduled)
+        with vattn.set_forward_context(md, self.cfg):
+            hidden = self.forward_fn(input_ids, positions)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        samplers = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+        temp = top_p = None
+        if any(r.sampling.temperature > 0 for r in samplers):
+            temp = torch.tensor([r.sampling.temperature for r in samplers], device=self.device)
+            top_p = torch.tensor([r.sampling.top_p for r in samplers], device=self.device)
+        tokens = sample(logits, temp, top_p, self.generator).tolist()  # the step's one host sync
+        if self.record_logits:
+            for r, row in zip(samplers, logits.float().cpu()):
+                self.logits.setdefault(r.req_id, []).append(row)
+        self.scheduler.update(scheduled, {r.req_id: t for r, t in zip(samplers, tokens)})
+        if self.check_invariants:
+            self.allocator.check(self.scheduler.running)
+        return StepStats(sum(n for _, n in scheduled) - decode, decode, len(samplers),
+                         time.perf_counter() - start)
+
+    def run(self, on_step: Callable[[StepStats], None] | None = None) -> list[StepStats]:
+        """Step until every request has finished; returns the per-step stats."""
+        stats = []
+        while self.scheduler.has_unfinished():
+            s = self.step()
+            stats.append(s)
+            if on_step is not None:
+                on_step(s)
+        return stats

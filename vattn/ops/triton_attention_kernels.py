@@ -1,0 +1,305 @@
+"""Triton kernels of vattn's unified paged attention (the launcher is ``triton_unified_attention``).
+
+One kernel serves a whole mixed batch (decodes and chunked prefills with cached context):
+
+* grid ``(q_blocks, num_kv_heads, num_splits)``; a q block is ``BLOCK_Q`` consecutive query
+  tokens of one request. Request ``i`` owns the q blocks
+  ``[cu_q[i] // BLOCK_Q + i, cu_q[i] // BLOCK_Q + i + cdiv(q_len_i, BLOCK_Q))``, so
+  ``T // BLOCK_Q + num_seqs`` programs cover any batch of ``T`` tokens; a program finds its
+  request by binary search over ``cu_q`` and exits if it has no tokens (CUDA-graph friendly:
+  the grid depends only on static sizes).
+* GQA packing: the ``QPK = H // Hk`` query heads of one KV head are packed into the tile's M
+  dimension, row ``r`` = (token ``r // QPK``, head ``kv_head * QPK + r % QPK``), so every K/V
+  tile is read once per KV head and fed to ``tl.dot``.
+* online softmax in the log2 domain (scores pre-multiplied by ``log2(e)``, ``exp2``), fp32
+  accumulators; key tiles of ``TILE_N`` tokens gathered through the block table (one
+  block-table entry per token, so any page size works), loads contiguous along head_dim.
+* the KV range of a q block is split into masked edge tiles (causal diagonal, window edges,
+  the partial last tile) and unmasked interior tiles that skip all mask arithmetic.
+* split-KV (``NUM_SPLITS > 1``): each split handles a slice of the block's KV tiles and writes
+  a normalized partial output plus its log2-sum-exp; ``_combine_splits_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest ``i`` in ``[0, num_seqs)`` with ``cu_q[i] // BLOCK_Q + i <= q_block``."""
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_FP32: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation (``DOT_FP32``: upcast operands, exact fp32 math)."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 for large |x|.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, q_pos, alibi2,
+    k_head_ptr, v_head_ptr, bt_row_ptr,
+    j_lo, j_hi, seq_len,
+    qk_scale2, softcap_in, softcap_out, window_left, window_right,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    TILE_N: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    DOT_FP32: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking."""
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    for j in range(j_lo, j_hi):
+        offs_n = j * TILE_N + tl.arange(0, TILE_N)
+        if MASK:
+            n_ok = offs_n < seq_len
+            blk = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+            k_mask = d_ok[:, None] & n_ok[None, :]
+            v_mask = n_ok[:, None] & d_ok[None, :]
+        else:
+            blk = tl.load(bt_row_ptr + offs_n // PAGE_SIZE)
+            k_mask = d_ok[:, None]
+            v_mask = d_ok[None, :]
+        blk = blk.to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        # K^T tile (HEAD_PAD, TILE_N): contiguous along head_dim.
+        k_ptrs = (k_head_ptr + (blk * stride_kb + in_page * stride_ks)[None, :]
+                  + offs_d[:, None] * stride_kd)
+        if HEAD_PAD != HEAD_SIZE or MASK:
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if KV_FP8:
+            k = k.to(COMPUTE_DTYPE)
+        s = _mma(q, k, tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), DOT_FP32)
+        if USE_SOFTCAP:
+            s = softcap_out * _tanh(s * softcap_in)
+        else:
+            s = s * qk_scale2
+        if USE_ALIBI:
+            s += alibi2[:, None] * tl.abs(offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+        if MASK:
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                ok = ok & ((window_left < 0) | (offs_n[None, :] >= q_pos[:, None] - window_left))
+                if not CAUSAL:
+                    ok = ok & ((window_right < 0)
+                               | (offs_n[None, :] <= q_pos[:, None] + window_right))
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 there to avoid inf - inf.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_ptrs = (v_head_ptr + (blk * stride_vb + in_page * stride_vs)[:, None]
+                  + offs_d[None, :] * stride_vd)
+        if HEAD_PAD != HEAD_SIZE or MASK:
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if KV_FP8:
+            v = v.to(COMPUTE_DTYPE)
+        acc = _mma(p.to(COMPUTE_DTYPE), v, acc, DOT_FP32)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    cu_q_ptr, seqused_k_ptr, block_table_ptr,
+    sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr,
+    num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr, QPK: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
+    Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
+):
+    # Heaviest q blocks (the last ones of each request under causal masking) start first.
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+    seq_len = tl.load(seqused_k_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    tok = q_off + offs_m // QPK
+    head = kv_head * QPK + offs_m % QPK
+    row_ok = (offs_m < BLOCK_Q * QPK) & (tok < q_len)
+    d_ok = offs_d < HEAD_SIZE
+    q_pos = ctx_len + tok
+
+    q_ptrs = (q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if Q_FP8:
+        q = q.to(COMPUTE_DTYPE)
+
+    scale = softmax_scale
+    if Q_FP8:
+        scale = scale * tl.load(q_scale_ptr)
+    if KV_FP8:
+        scale = scale * tl.load(k_scale_ptr)
+    qk_scale2 = scale * LOG2E
+    softcap_in = scale / softcap
+    softcap_out = softcap * LOG2E
+    alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_ALIBI:
+        alibi2 = -tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+
+    # Key range of this q block, and its interior [full_lo, full_hi) that every row sees.
+    q_first = ctx_len + q_off
+    q_last = q_first + tl.minimum(BLOCK_Q, q_len - q_off) - 1
+    kv_lo = 0
+    full_lo = 0
+    kv_hi = seq_len
+    full_hi = seq_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, q_last + 1)
+        full_hi = tl.minimum(full_hi, q_first + 1)
+    if USE_WINDOW:
+        kv_lo = tl.where(window_left >= 0, tl.maximum(q_first - window_left, 0), 0)
+        full_lo = tl.where(window_left >= 0, tl.maximum(q_last - window_left, 0), 0)
+        if not CAUSAL:
+            kv_hi = tl.where(window_right >= 0, tl.minimum(kv_hi, q_last + window_right + 1), kv_hi)
+            full_hi = tl.where(window_right >= 0,
+                               tl.minimum(full_hi, q_first + window_right + 1), full_hi)
+    t_lo = kv_lo // TILE_N
+    t_hi = tl.cdiv(kv_hi, TILE_N)
+    u_lo = tl.cdiv(full_lo, TILE_N)
+    u_hi = tl.maximum(full_hi // TILE_N, u_lo)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
+        s_lo = t_lo + split * per_split
+        s_hi = tl.minimum(s_lo + per_split, t_hi)
+    else:
+        s_lo = t_lo
+        s_hi = t_hi
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink joins the softmax denominator once: in split 0 only.
+        sink = tl.load(sinks_ptr + head, mask=row_ok & (split == 0), other=float("-inf"))
+        m_i = sink.to(tl.float32) * LOG2E
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    bt_row_ptr = block_table_ptr + seq * stride_bt
+    if USE_WINDOW:  # leading edge tiles (left window boundary)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
+            s_lo, tl.minimum(s_hi, u_lo), seq_len,
+            qk_scale2, softcap_in, softcap_out, window_left, window_right,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, KV_FP8)
+    acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
+        acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
+        tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
+        qk_scale2, softcap_in, softcap_out, window_left, window_right,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, KV_FP8)
+    acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
+        acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
+        tl.maximum(s_lo, u_hi), s_hi, seq_len,
+        qk_scale2, softcap_in, softcap_out, window_left, window_right,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, KV_FP8)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
+    tok_g = q_start + tok
+    if NUM_SPLITS > 1:
+        row = (split * num_tokens + tok_g) * NUM_Q_HEADS + head
+        tl.store(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o,
+                 mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+    else:
+        if OUT_FP8:
+            o = o / tl.load(out_scale_ptr)
+            o = tl.minimum(tl.maximum(o, -FP8_OUT_MAX), FP8_OUT_MAX)
+        o_ptrs = (out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh
+                  + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr, out_scale_ptr,
+    num_seqs, num_tokens, stride_ot, stride_oh, stride_od,
+    NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
+):
+    """Merge split partials of one (token, head): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(cu_q_ptr + num_seqs):
+        return  # padding token: no request owns it, no partials were written
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row = (offs_s * num_tokens + t) * NUM_Q_HEADS + h
+    lse = tl.load(part_lse_ptr + row)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :])
+    denom = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    if OUT_FP8:
+        o = o / tl.load(out_scale_ptr)
+        o = tl.minimum(tl.maximum(o, -FP8_OUT_MAX), FP8_OUT_MAX)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

@@ -1,0 +1,339 @@
+"""vattn's unified paged attention in Triton: the launcher and its launch configurations.
+
+``unified_attention`` runs one mixed batch (decodes and chunked prefills with cached context)
+in one kernel launch, over a paged KV cache, following FlashAttention's varlen conventions
+(``cu_seqlens_q``, ``seqused_k``, ``block_table``, bottom-right aligned causal mask,
+``window = (left, right)``). The kernels live in ``triton_attention_kernels``.
+
+CUDA graphs: the launcher never synchronizes; the grid depends only on ``q.shape[0]``,
+``seqused_k.shape[0]`` and the ``UnifiedAttentionConfig``; scales are read on the device.
+Pass a config (and the split scratch) chosen from static batch sizes and every replay of a
+captured graph takes the same path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
+
+logger = logging.getLogger("vattn.ops.triton_unified_attention")
+
+__all__ = [
+    "MAX_SPLITS",
+    "UnifiedAttentionConfig",
+    "default_max_split_rows",
+    "device_num_sms",
+    "head_pad",
+    "select_unified_attention_config",
+    "split_scratch_numel",
+    "unified_attention",
+]
+
+MAX_SPLITS = 64
+"""Most KV splits of one q block (a power of two)."""
+SPLIT_TARGET_PROGRAMS_PER_SM = 2
+"""Split KV until about this many programs per SM run (2 resident CTAs of a decode config)."""
+SPLIT_SCRATCH_BYTES = 16 << 20
+"""Budget of the split-KV partial-output scratch (fp32), bounding ``num_splits * num_tokens``."""
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@dataclass(frozen=True)
+class UnifiedAttentionConfig:
+    """Launch configuration of the unified kernel (all fields are compile-time constants).
+
+    Args:
+        block_m: rows of a query tile: ``block_m // qpk`` tokens x the ``qpk`` query heads of
+            one KV head (power of two, at least 16 for ``tl.dot``).
+        tile_n: key tokens per inner iteration (power of two, at least 16).
+        num_splits: KV splits per q block (1 = write the output directly; else a power of
+            two and a combine kernel merges the partials).
+        num_warps, num_stages: Triton launch options of the attention kernel.
+    """
+
+    block_m: int
+    tile_n: int
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "tile_n", "num_splits"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"UnifiedAttentionConfig.{name} must be a power of two, got {v}.")
+        if self.block_m < 16 or self.tile_n < 16:
+            raise ValueError(
+                f"UnifiedAttentionConfig needs block_m >= 16 and tile_n >= 16 (tl.dot minimum), "
+                f"got block_m={self.block_m}, tile_n={self.tile_n}."
+            )
+        if self.num_splits > MAX_SPLITS:
+            raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {self.num_splits}.")
+
+    def block_q(self, qpk: int) -> int:
+        """Query tokens per tile when ``qpk`` query heads share a KV head."""
+        return max(1, self.block_m // qpk)
+
+
+def head_pad(head_size: int) -> int:
+    """The power-of-two head dimension the kernels compute with (at least 16)."""
+    return max(16, triton.next_power_of_2(head_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+    return 4  # the interpreter: a small pretend machine
+
+
+def device_num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of ``device`` (4 for CPU / the Triton interpreter); cached."""
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _num_sms(device.type, index)
+
+
+def default_max_split_rows(num_q_heads: int, head_size: int) -> int:
+    """Largest ``num_splits * num_tokens`` whose fp32 partials fit ``SPLIT_SCRATCH_BYTES``."""
+    return max(MAX_SPLITS, SPLIT_SCRATCH_BYTES // (num_q_heads * head_pad(head_size) * 4))
+
+
+def split_scratch_numel(max_split_rows: int, num_q_heads: int, head_size: int) -> tuple[int, int]:
+    """Elements of the (partial_out, partial_lse) fp32 scratch for ``max_split_rows`` rows."""
+    return max_split_rows * num_q_heads * head_pad(head_size), max_split_rows * num_q_heads
+
+
+def select_unified_attention_config(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_seqlen_q: int,
+    num_sms: int,
+    max_split_rows: int | None = None,
+) -> UnifiedAttentionConfig:
+    """Pick the launch config from static sizes only (deterministic: CUDA-graph safe).
+
+    Decode-only batches (``max_seqlen_q <= 1``) get a small M tile (one token x the query
+    heads of a KV head) and split KV when ``num_seqs * num_kv_heads`` programs would leave
+    SMs idle; batches with longer queries get 64/128-row tiles for tensor-core throughput.
+    ``num_splits * num_tokens`` never exceeds ``max_split_rows`` (the scratch size).
+    """
+    qpk = num_q_heads // num_kv_heads
+    hp = head_pad(head_size)
+    min_m = max(16, triton.next_power_of_2(qpk))
+    if max_seqlen_q <= 1:
+        block_m = min_m
+        tile_n = 64 if hp <= 128 else 32
+        num_warps, num_stages = 4, (3 if hp <= 128 else 2)
+    else:
+        big_m = 128 if hp <= 128 else 64
+        block_m = max(min_m, min(big_m, triton.next_power_of_2(qpk * max_seqlen_q)))
+        tile_n = 64 if hp <= 128 else 32
+        num_warps = 8 if block_m >= 128 else 4
+        num_stages = 3 if hp <= 128 else 2
+    block_q = max(1, block_m // qpk)
+    programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
+    target = SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
+    num_splits = 1
+    if 0 < programs < target:
+        num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
+        rows = max_split_rows if max_split_rows is not None else default_max_split_rows(
+            num_q_heads, head_size)
+        while num_splits > 1 and num_splits * num_tokens > rows:
+            num_splits //= 2
+    return UnifiedAttentionConfig(block_m, tile_n, num_splits, num_warps, num_stages)
+
+
+def _as_scale(x: torch.Tensor | float | None, name: str, device: torch.device) -> torch.Tensor:
+    if x is None:
+        raise ValueError(f"{name} is required for this dtype combination (fp8); pass a 0-dim "
+                         "float32 tensor on the device (e.g. layer._k_scale).")
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a per-tensor scale (1 element), got shape {tuple(x.shape)}.")
+        return x
+    return torch.full((), float(x), dtype=torch.float32, device=device)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool = True,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    q_scale: torch.Tensor | float | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    output_scale: torch.Tensor | float | None = None,
+    config: UnifiedAttentionConfig | None = None,
+    num_splits: int | None = None,
+    partial_out: torch.Tensor | None = None,
+    partial_lse: torch.Tensor | None = None,
+) -> None:
+    """Paged attention over a mixed batch, written into ``out`` (no host synchronization).
+
+    | tensor | shape | dtype |
+    | --- | --- | --- |
+    | q | (T, H, D) | fp16 / bf16 / fp32, or fp8 with ``q_scale`` |
+    | k_cache, v_cache | (num_blocks, block_size, Hk, D), any strides (NHD or HND) | q's, or fp8 with ``k_scale``/``v_scale`` |
+    | out | (T, H, D) | fp16 / bf16 / fp32, or fp8 with ``output_scale`` |
+    | cu_seqlens_q | (B + 1,) cumulative query lengths | int32 |
+    | seqused_k | (B,) tokens of each request in the cache (context + new) | int32 |
+    | block_table | (B, max_blocks) block ids of each request | int32 |
+    | alibi_slopes, sinks | (H,) | float32 / any float |
+
+    Query token ``i`` of request ``b`` sits at position ``seqused_k[b] - q_len_b + i``;
+    ``causal`` hides later keys, ``window = (left, right)`` (-1 = unlimited; ``right`` is 0
+    under ``causal``) keeps keys in ``[pos - left, pos + right]``, ``softcap`` applies
+    ``softcap * tanh(s / softcap)`` to the scaled logits, ALiBi adds
+    ``-slope * |pos_q - pos_k|``, a sink adds ``exp(sink)`` to the softmax denominator.
+    Rows of tokens past ``cu_seqlens_q[B]`` (padding) are left untouched.
+
+    ``max_seqlen_q`` only picks the config; ``max_seqlen_k`` is accepted for FlashAttention
+    parity. ``config``/``num_splits`` override the choice; with ``num_splits > 1`` the fp32
+    scratch ``partial_out`` (>= splits*T*H*head_pad(D) elements) and ``partial_lse``
+    (>= splits*T*H) are used, or allocated when not given.
+    """
+    _check(q.dim() == 3 and out.shape == q.shape,
+           f"q and out must both be (T, H, D); got q {tuple(q.shape)}, out {tuple(out.shape)}.")
+    _check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+           f"k_cache and v_cache must both be (num_blocks, block_size, Hk, D); got "
+           f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}.")
+    num_tokens, num_q_heads, head_size = q.shape
+    _, page_size, num_kv_heads, kv_head_size = k_cache.shape
+    _check(kv_head_size == head_size, f"head size mismatch: q has D={head_size}, the cache {kv_head_size}.")
+    _check(num_q_heads % num_kv_heads == 0,
+           f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+    num_seqs = seqused_k.shape[0]
+    _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= num_seqs + 1,
+           f"cu_seqlens_q must have at least B + 1 = {num_seqs + 1} entries, got {tuple(cu_seqlens_q.shape)}.")
+    _check(block_table.dim() == 2 and block_table.shape[0] >= num_seqs and block_table.stride(1) == 1,
+           f"block_table must be (B >= {num_seqs}, max_blocks) with unit last stride, got "
+           f"{tuple(block_table.shape)} strides {block_table.stride()}.")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k), ("block_table", block_table)):
+        _check(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}.")
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    qpk = num_q_heads // num_kv_heads
+    hp = head_pad(head_size)
+    if config is None:
+        config = select_unified_attention_config(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads, head_size=head_size, max_seqlen_q=max_seqlen_q,
+            num_sms=device_num_sms(q.device),
+            max_split_rows=None if partial_out is None else partial_out.numel() // (num_q_heads * hp),
+        )
+    if num_splits is not None and num_splits != config.num_splits:
+        config = dataclasses.replace(config, num_splits=num_splits)
+    _check(config.block_m >= qpk, f"config.block_m ({config.block_m}) must be >= query heads per KV head ({qpk}).")
+
+    q_fp8 = q.dtype in _FP8_DTYPES
+    kv_fp8 = k_cache.dtype in _FP8_DTYPES
+    out_fp8 = out.dtype in _FP8_DTYPES
+    _check(v_cache.dtype == k_cache.dtype, f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ.")
+    if not q_fp8:
+        compute = q.dtype
+    elif not kv_fp8:
+        compute = k_cache.dtype
+    else:
+        compute = out.dtype if not out_fp8 else torch.bfloat16
+    if compute not in _TL_DTYPES:
+        raise TypeError(f"unsupported dtypes: q {q.dtype}, cache {k_cache.dtype}, out {out.dtype}; "
+                        "use fp16/bf16/fp32 (fp8 for the cache, q and out with scales).")
+    if not kv_fp8 and k_cache.dtype != compute:
+        raise TypeError(f"the KV cache dtype ({k_cache.dtype}) must match the query dtype ({compute}) "
+                        "unless the cache is fp8.")
+    dummy = q  # stands in for absent optional pointers (never read)
+    qs = _as_scale(q_scale, "q_scale", q.device) if q_fp8 else dummy
+    ks = _as_scale(k_scale, "k_scale", q.device) if kv_fp8 else dummy
+    vs = _as_scale(v_scale, "v_scale", q.device) if kv_fp8 else dummy
+    os_ = _as_scale(output_scale, "output_scale", q.device) if out_fp8 else dummy
+    fp8_out_max = float(torch.finfo(out.dtype).max) if out_fp8 else 0.0
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            _check(t.shape == (num_q_heads,), f"{name} must have shape (H,) = ({num_q_heads},), got {tuple(t.shape)}.")
+
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    left = -1 if left is None or left < 0 else left
+    right = -1 if right is None or right < 0 else right
+    if causal:
+        right = -1
+    use_window = left >= 0 or right >= 0
+
+    splits = config.num_splits
+    block_q = config.block_q(qpk)
+    if splits > 1:
+        need_o, need_lse = splits * num_tokens * num_q_heads * hp, splits * num_tokens * num_q_heads
+        if partial_out is None or partial_lse is None:
+            partial_out = torch.empty(need_o, dtype=torch.float32, device=q.device)
+            partial_lse = torch.empty(need_lse, dtype=torch.float32, device=q.device)
+        _check(partial_out.numel() >= need_o and partial_lse.numel() >= need_lse
+               and partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32,
+               f"split scratch too small for num_splits={splits}, T={num_tokens}: need fp32 "
+               f"partial_out >= {need_o}, partial_lse >= {need_lse} elements, got "
+               f"{partial_out.numel()} and {partial_lse.numel()}; size it with split_scratch_numel().")
+    else:
+        partial_out = partial_lse = dummy
+
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, partial_out, partial_lse,
+        cu_seqlens_q, seqused_k, block_table,
+        sinks if sinks is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        qs, ks, vs, os_,
+        num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
+        BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SPLITS=splits,
+        COMPUTE_DTYPE=_TL_DTYPES[compute],
+        DOT_FP32=q.device.type != "cuda" or compute == torch.float32,
+        CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
+        USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
+        Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            out, partial_out, partial_lse, cu_seqlens_q, os_,
+            num_seqs, num_tokens, out.stride(0), out.stride(1), out.stride(2),
+            NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=hp, NUM_SPLITS=splits,
+            OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
+            num_warps=4,
+        )
