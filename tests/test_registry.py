@@ -39,7 +39,7 @@ def fake_module(monkeypatch):
     """An importable module ``_vattn_fake_backends`` holding two classes."""
     mod = types.ModuleType("_vattn_fake_backends")
 
-    class FakeA:  # noqa: D401 - simple markers
+    class FakeA:
         pass
 
     class FakeB:

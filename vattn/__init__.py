@@ -17,7 +17,19 @@ from vattn.backends.abstract import (
     AttentionType,
 )
 from vattn.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum, register_backend
-from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
+from vattn.backends.utils import (
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    PerLayerParameters,
+    get_kv_cache_layout,
+    get_per_layer_parameters,
+    infer_global_hyperparameters,
+    make_local_attention_virtual_batches,
+    reorder_batch_to_split_decodes_and_prefills,
+    set_kv_cache_layout,
+    split_decodes_and_prefills,
+)
 from vattn.config import (
     CacheConfig,
     CompilationConfig,
@@ -29,9 +41,12 @@ from vattn.config import (
 from vattn.forward_context import ForwardContext, get_forward_context, set_forward_context
 from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache, build_common_attn_metadata
 from vattn.layer import Attention
+from vattn.platform import current_platform
 from vattn.selector import (
     backend_name_to_enum,
     get_attn_backend,
+    get_env_variable_attn_backend,
+    get_global_forced_attn_backend,
     global_force_attn_backend,
     global_force_attn_backend_context_manager,
 )
@@ -39,6 +54,7 @@ from vattn.selector import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "allocate_kv_cache",
     "Attention",
     "AttentionBackend",
     "AttentionBackendEnum",
@@ -48,28 +64,38 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "AttentionType",
-    "CUDAGraphMode",
-    "CUDAGraphRunner",
-    "CacheConfig",
-    "CommonAttentionMetadata",
-    "CompilationConfig",
-    "ForwardContext",
-    "MambaAttentionBackendEnum",
-    "PagedKVCache",
-    "VattnConfig",
-    "allocate_kv_cache",
     "backend_name_to_enum",
     "bind_kv_cache",
     "build_common_attn_metadata",
+    "CacheConfig",
+    "CommonAttentionMetadata",
+    "CompilationConfig",
     "compile",
+    "CUDAGraphMode",
+    "CUDAGraphRunner",
+    "current_platform",
+    "ForwardContext",
     "get_attn_backend",
     "get_current_vattn_config",
+    "get_env_variable_attn_backend",
     "get_forward_context",
+    "get_global_forced_attn_backend",
+    "get_kv_cache_layout",
+    "get_per_layer_parameters",
     "global_force_attn_backend",
     "global_force_attn_backend_context_manager",
+    "infer_global_hyperparameters",
+    "make_local_attention_virtual_batches",
+    "MambaAttentionBackendEnum",
+    "PagedKVCache",
+    "PerLayerParameters",
     "register_backend",
+    "reorder_batch_to_split_decodes_and_prefills",
     "set_current_vattn_config",
     "set_forward_context",
+    "set_kv_cache_layout",
+    "split_decodes_and_prefills",
+    "VattnConfig",
 ]
 
 _LAZY = {

@@ -48,10 +48,24 @@ def validate_kv_sharing_target(layer_name: str, target: str, context: dict[str, 
 
 
 def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **select: Any) -> type[AttentionBackend]:
-    from vattn.selector import backend_name_to_enum, get_attn_backend
+    """The selected backend, or the given one after checking it can serve the layer."""
+    from vattn.selector import get_attn_backend
 
     if attn_backend is None:
         return get_attn_backend(**select)
+    backend = _backend_class(attn_backend)
+    reasons = backend.validate_configuration(**select)
+    if reasons:
+        raise ValueError(
+            f"attn_backend={backend.get_name()} cannot serve this layer: {'; '.join(reasons)}. "
+            "Pick another backend (or attn_backend=None to select automatically)."
+        )
+    return backend
+
+
+def _backend_class(attn_backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
+    from vattn.selector import backend_name_to_enum
+
     if isinstance(attn_backend, str):
         backend = backend_name_to_enum(attn_backend)
         if backend is None:

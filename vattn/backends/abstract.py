@@ -124,7 +124,7 @@ class AttentionBackend(ABC):
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Permutation from the logical shape to the physical (allocation) order.
 
-        Default: identity (the logical shape is the memory order).
+        Backends that do not implement it are allocated in their logical order (identity).
         """
         raise NotImplementedError
 

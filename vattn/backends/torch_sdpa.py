@@ -157,7 +157,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         i = torch.arange(Lq, device=dev)
         query_valid = i[None, :] < qlens[:, None]
         query_index = torch.where(query_valid, qsl[:-1, None] + i[None, :], 0)
-        query_pos = (seq_lens - qlens)[:, None] + i[None, :]
+        query_pos = (seq_lens - qlens - 1)[:, None] + i[None, :]
 
         j = torch.arange(Lk, device=dev)
         key_valid = j[None, :] < seq_lens[:, None]
@@ -308,7 +308,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             x = x * scale.float()
         # Invalid positions read slot 0, which may hold anything (even NaN): zero them.
-        return x
+        return torch.where(md.key_valid[:, :, None, None], x, 0.0)
 
     def _mask(self, q_pos: torch.Tensor, key_valid: torch.Tensor, causal: bool) -> torch.Tensor:
         """(B, Lq, Lk) bool, True = attend. Rows with nothing to attend to are opened fully

@@ -29,36 +29,6 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest ``i`` in ``[0, num_seqs)`` with ``cu_q[i] // BLOCK_Q + i <= q_block``."""
-    lo = num_seqs * 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
-        if start <= q_block:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_FP32: tl.constexpr):
-    """``acc + a @ b`` with fp32 accumulation (``DOT_FP32``: upcast operands, exact fp32 math)."""
-    if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 for large |x|.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
-
-
-@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, alibi2,
     k_head_ptr, v_head_ptr, bt_row_ptr,
@@ -96,9 +66,12 @@ def _attend_tiles(
             k = tl.load(k_ptrs)
         if KV_FP8:
             k = k.to(COMPUTE_DTYPE)
-        s = _mma(q, k, tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), DOT_FP32)
-        if USE_SOFTCAP:
-            s = softcap_out * _tanh(s * softcap_in)
+        if DOT_FP32:  # exact fp32 (fp32 models, and the CPU interpreter whose bf16 dot is wrong)
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        if USE_SOFTCAP:  # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            s = softcap_out * (1.0 - 2.0 / (tl.exp2(s * softcap_in) + 1.0))
         else:
             s = s * qk_scale2
         if USE_ALIBI:
@@ -128,7 +101,10 @@ def _attend_tiles(
             v = tl.load(v_ptrs)
         if KV_FP8:
             v = v.to(COMPUTE_DTYPE)
-        acc = _mma(p.to(COMPUTE_DTYPE), v, acc, DOT_FP32)
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(COMPUTE_DTYPE), v, acc)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -157,7 +133,15 @@ def _unified_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q)
+    # Binary search: the largest request index with cu_q[i] // BLOCK_Q + i <= q_block.
+    seq = num_seqs * 0
+    hi = num_seqs - 1
+    while seq < hi:
+        mid = (seq + hi + 1) // 2
+        if tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= q_block:
+            seq = mid
+        else:
+            hi = mid - 1
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
@@ -177,7 +161,9 @@ def _unified_attention_kernel(
     q_ptrs = (q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
               + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if Q_FP8:
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    elif Q_FP8:
         q = q.to(COMPUTE_DTYPE)
 
     scale = softmax_scale
@@ -186,7 +172,7 @@ def _unified_attention_kernel(
     if KV_FP8:
         scale = scale * tl.load(k_scale_ptr)
     qk_scale2 = scale * LOG2E
-    softcap_in = scale / softcap
+    softcap_in = scale / softcap * (2.0 * LOG2E)
     softcap_out = softcap * LOG2E
     alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
@@ -210,11 +196,11 @@ def _unified_attention_kernel(
             full_hi = tl.where(window_right >= 0,
                                tl.minimum(full_hi, q_first + window_right + 1), full_hi)
     t_lo = kv_lo // TILE_N
-    t_hi = tl.cdiv(kv_hi, TILE_N)
-    u_lo = tl.cdiv(full_lo, TILE_N)
+    t_hi = (kv_hi + TILE_N - 1) // TILE_N
+    u_lo = (full_lo + TILE_N - 1) // TILE_N
     u_hi = tl.maximum(full_hi // TILE_N, u_lo)
     if NUM_SPLITS > 1:
-        per_split = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
+        per_split = (t_hi - t_lo + NUM_SPLITS - 1) // NUM_SPLITS
         s_lo = t_lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, t_hi)
     else:
@@ -225,8 +211,8 @@ def _unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_SINKS:
         # The sink joins the softmax denominator once: in split 0 only.
-        sink = tl.load(sinks_ptr + head, mask=row_ok & (split == 0), other=float("-inf"))
-        m_i = sink.to(tl.float32) * LOG2E
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(split == 0, sink * LOG2E, float("-inf"))
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 

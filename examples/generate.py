@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Generate with a Llama-style model on vattn: continuous batching over a paged KV cache.
+
+Random weights (no downloads), random prompts; requests arrive at different steps and
+finish at different lengths. Prints prefill and decode tokens/s.
+
+    python examples/generate.py                                   # CPU, tiny preset, a few seconds
+    python examples/generate.py --device cuda --preset llama-3.2-1b --compile --cudagraph \\
+        --num-requests 64 --prompt-len 512 --output-len 64
+
+Throughput: prefill tokens/s = prompt tokens computed / time of the steps that had any
+prefill; decode tokens/s = generated tokens computed / time of the decode-only steps.
+With ``--compile`` a warm-up request runs first and its time is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # `python examples/generate.py` from anywhere
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tqdm import tqdm
+
+import vattn
+from examples.engine import Engine, SamplingParams
+from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compile_model(model: torch.nn.Module, cfg: vattn.VattnConfig) -> Callable[..., torch.Tensor]:
+    """The compiled forward. Swap this one line for ``vattn.compile(model, cfg)`` once it lands."""
+    return torch.compile(model, fullgraph=True, dynamic=True)
+
+
+def make_cudagraph_runner(forward_fn: Callable[..., torch.Tensor], cfg: vattn.VattnConfig,
+                          max_batch_size: int) -> Callable[..., torch.Tensor] | None:
+    """``vattn.CUDAGraphRunner`` around ``forward_fn``, or None (with a message) where it is unavailable."""
+    try:
+        runner_cls = vattn.CUDAGraphRunner
+    except (ImportError, AttributeError) as e:
+        print(f"--cudagraph: vattn.CUDAGraphRunner is not available in this vattn ({e}); "
+              "running without CUDA graphs.", file=sys.stderr)
+        return None
+    return runner_cls(forward_fn, cfg, max_batch_size=max_batch_size)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="model shape (default: tiny on CPU, llama-3.2-1b on CUDA)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--backend", default=None,
+                   help="force a vattn attention backend by name (TORCH_SDPA, TRITON_ATTN, FLASH_ATTN, FLASHINFER)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="CacheConfig.cache_dtype (auto, fp8, ...)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph, dynamic)")
+    p.add_argument("--cudagraph", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (prompts are in [len/2, len])")
+    p.add_argument("--output-len", type=int, default=32, help="longest output (outputs are in [len/2, len])")
+    p.add_argument("--fixed-lengths", action="store_true", help="every prompt/output has exactly these lengths")
+    p.add_argument("--arrival-every", type=int, default=1, help="request i arrives at step i * this")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: enough for all requests)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = p.parse_args(argv)
+    on_cuda = torch.device(args.device).type == "cuda"
+    args.preset = args.preset or ("llama-3.2-1b" if on_cuda else "tiny")
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    if args.backend is not None and vattn.backend_name_to_enum(args.backend) is None:
+        p.error(f"--backend {args.backend!r} is not a vattn backend; valid: "
+                f"{[m.name for m in vattn.AttentionBackendEnum]}")
+    return args
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], SamplingParams, int]]:
+    """Seeded random (prompt, sampling, arrival_step) triples."""
+    g = torch.Generator().manual_seed(args.seed)
+
+    def length(hi: int) -> int:
+        return hi if args.fixed_lengths else int(torch.randint(max(1, hi // 2), hi + 1, (1,), generator=g))
+
+    out = []
+    for i in range(args.num_requests):
+        prompt = torch.randint(0, vocab_size, (length(args.prompt_len),), generator=g).tolist()
+        sp = SamplingParams(max_tokens=length(args.output_len), temperature=args.temperature, top_p=args.top_p)
+        out.append((prompt, sp, i * args.arrival_every))
+    return out
+
+
+def build(args: argparse.Namespace) -> tuple[DecoderForCausalLM, vattn.VattnConfig, Any]:
+    """The model (random weights on ``args.device``) and its vattn config and paged KV cache."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    mcfg = get_preset(args.preset, max_position_embeddings=min(
+        PRESETS[args.preset].max_position_embeddings, max(4096, args.prompt_len + args.output_len)))
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype))
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with vattn.global_force_attn_backend_context_manager(args.backend), \
+                vattn.set_current_vattn_config(cfg), torch.device(device):
+            model = DecoderForCausalLM(mcfg)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    init_random_weights(model, seed=args.seed)
+    model.eval()
+    per_req = -(-(args.prompt_len + args.output_len) // args.block_size)
+    num_blocks = args.num_blocks or per_req * min(args.num_requests, args.max_num_seqs) + per_req
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)
+    return model, cfg, kv
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the generation; returns the measured figures (also printed)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(args.seed)
+    model, cfg, kv = build(args)
+    backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
+    forward_fn: Callable[..., torch.Tensor] = model
+    min_tokens = 1
+    if args.compile:
+        forward_fn, min_tokens = compile_model(model, cfg), 2  # 2: no size-1 specialisation
+    if args.cudagraph:
+        if torch.device(args.device).type != "cuda":
+            print("--cudagraph needs --device cuda; running without CUDA graphs.", file=sys.stderr)
+        else:
+            forward_fn = make_cudagraph_runner(forward_fn, cfg, args.max_num_seqs) or forward_fn
+
+    def new_engine() -> Engine:
+        return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_seqs=args.max_num_seqs, forward_fn=forward_fn, min_tokens=min_tokens, seed=args.seed)
+
+    warmup_s = 0.0
+    if args.compile or args.cudagraph:  # compile (and capture) outside the measured run
+        t0 = time.perf_counter()
+        warm = new_engine()
+        warm.add_request(list(range(min(8, args.prompt_len) or 1)), SamplingParams(max_tokens=3))
+        warm.run()
+        warmup_s = time.perf_counter() - t0
+
+    engine = new_engine()
+    requests = [engine.add_request(p, sp, a) for p, sp, a in make_requests(args, model.config.vocab_size)]
+    total_out = sum(r.sampling.max_tokens for r in requests)
+    bar = tqdm(total=total_out, unit="tok", desc="generate", disable=args.no_progress, file=sys.stdout)
+    t0 = time.perf_counter()
+    stats = engine.run(on_step=lambda s: bar.update(s.num_new_outputs))
+    wall = time.perf_counter() - t0
+    bar.close()
+
+    prefill_steps = [s for s in stats if s.num_prefill_tokens]
+    decode_steps = [s for s in stats if not s.num_prefill_tokens and s.num_decode_tokens]
+    prefill_tok = sum(s.num_prefill_tokens for s in stats)
+    decode_tok = sum(s.num_decode_tokens for s in stats)
+    prefill_s = sum(s.seconds for s in prefill_steps)
+    decode_s = sum(s.seconds for s in decode_steps)
+    result = {
+        "steps": float(len(stats)),
+        "prefill_tokens": float(prefill_tok),
+        "decode_tokens": float(decode_tok),
+        "output_tokens": float(sum(len(r.output_token_ids) for r in requests)),
+        "prefill_tok_s": prefill_tok / prefill_s if prefill_s else 0.0,
+        "decode_tok_s": sum(s.num_decode_tokens for s in decode_steps) / decode_s if decode_s else 0.0,
+        "ms_per_decode_step": 1e3 * decode_s / len(decode_steps) if decode_steps else 0.0,
+        "wall_s": wall,
+        "warmup_s": warmup_s,
+        "preemptions": float(sum(r.num_preemptions for r in requests)),
+    }
+    print(f"model {args.preset} ({args.dtype}, {args.device}), backend {backend}, compile={args.compile}, "
+          f"cudagraph={args.cudagraph}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
+          + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))
+    print(f"prefill: {prefill_tok} tokens, {result['prefill_tok_s']:.1f} tok/s | decode: {decode_tok} tokens, "
+          f"{result['decode_tok_s']:.1f} tok/s, {result['ms_per_decode_step']:.2f} ms/step (decode-only steps)")
+    print(f"request 0: prompt {len(requests[0].prompt_token_ids)} tokens -> {requests[0].output_token_ids[:16]}"
+          + (" ..." if len(requests[0].output_token_ids) > 16 else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()

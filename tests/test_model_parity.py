@@ -1,0 +1,239 @@
+"""The acceptance test of the main job: the example decoder on vattn matches ``transformers``.
+
+Same seeded random weights in both; a batch of prompts of different lengths arrives at
+different steps and runs through ``examples.engine.Engine`` (continuous batching, chunked
+prefill under a token budget, decodes first, a paged KV cache). Every sampled row of
+logits (the prefill's last position, then 32 greedy decode steps) is compared with the
+HF model (eager attention) run on the whole sequence without a cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import vattn  # noqa: E402
+from examples.engine import BlockAllocator, Engine, Request, SamplingParams, sample  # noqa: E402
+from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+# (prompt length, arrival step): chunked prefills (budget 24) overlap with decodes of earlier requests.
+PROMPTS = [(5, 0), (40, 0), (17, 3), (1, 5), (60, 9)]
+MAX_TOKENS = 33  # the prefill's token + 32 decode steps
+BUDGET = 24
+
+CONFIGS: dict[str, ModelConfig] = {
+    # Llama GQA with Llama-3 RoPE scaling whose original context (64) is shorter than the sequences.
+    "llama-gqa": ModelConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}),
+    # Llama MHA with q/k/v/o and MLP biases.
+    "llama-mha": ModelConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=256, attention_bias=True, mlp_bias=True),
+    # Qwen3 GQA (q/k RMSNorm per head), head_dim != hidden / heads.
+    "qwen3-gqa": ModelConfig(
+        arch="qwen3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+        rope_theta=1000000.0),
+    # Qwen3 MHA with tied embeddings.
+    "qwen3-mha": ModelConfig(
+        arch="qwen3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=True),
+}
+
+
+def make_hf(mcfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Any:
+    """The transformers model (eager attention) with seeded random weights (norms jittered too)."""
+    hf_cfg = mcfg.to_hf(attn_implementation="eager")
+    cls = transformers.LlamaForCausalLM if mcfg.arch == "llama" else transformers.Qwen3ForCausalLM
+    hf = cls(hf_cfg).eval()
+    init_random_weights(hf, seed=seed, std=0.05)
+    return hf.to(device=device, dtype=dtype)
+
+
+def make_vattn(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cpu", num_blocks: int = 64,
+               block_size: int = 16) -> tuple[DecoderForCausalLM, vattn.VattnConfig, vattn.PagedKVCache]:
+    """The example model built from the HF config, loaded from the HF state dict, with its KV cache."""
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=block_size))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with vattn.set_current_vattn_config(cfg), torch.device(device):
+            model = DecoderForCausalLM.from_hf_config(hf.config)
+    finally:
+        torch.set_default_dtype(old)
+    model.load_hf_state_dict(hf.state_dict())
+    model.eval()
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)
+    return model, cfg, kv
+
+
+def prompts(seed: int = 1) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (n,), generator=g).tolist(), arrival) for n, arrival in PROMPTS]
+
+
+def run_engine(engine: Engine, step_offset: int = 0) -> tuple[list[Request], list[Any]]:
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), arrival_step=a + step_offset)
+            for p, a in prompts()]
+    stats = engine.run()
+    return reqs, stats
+
+
+@torch.no_grad()
+def hf_logits(hf: Any, req: Request, device: str = "cpu") -> torch.Tensor:
+    """(MAX_TOKENS, V) float32: HF logits at the positions the engine sampled from (no cache, full sequence)."""
+    seq = torch.tensor(req.prompt_token_ids + req.output_token_ids[:-1], device=device)[None]
+    return hf(seq).logits[0, len(req.prompt_token_ids) - 1 :].float().cpu()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers_float32(name: str) -> None:
+    hf = make_hf(CONFIGS[name])
+    model, cfg, kv = make_vattn(hf)
+    engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, record_logits=True,
+                    check_invariants=True)
+    reqs, stats = run_engine(engine)
+    # The run really batched continuously: a step mixed decodes with a (chunked) prefill.
+    assert any(s.num_decode_tokens and s.num_prefill_tokens for s in stats)
+    assert max(s.num_prefill_tokens + s.num_decode_tokens for s in stats) == BUDGET
+    for req in reqs:
+        ref = hf_logits(hf, req)
+        got = torch.stack(engine.logits[req.req_id])
+        assert got.shape == ref.shape == (MAX_TOKENS, VOCAB)
+        assert ref.abs().max() > 1.0  # logits large enough for 1e-4 to mean something
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0, msg=lambda m: f"{name} request {req.req_id}: {m}")
+        assert req.output_token_ids == ref.argmax(-1).tolist()
+
+
+def test_compiled_same_tokens_no_recompiles() -> None:
+    """torch.compile(fullgraph=True, dynamic=True): one graph for every batch composition, same tokens."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    hf = make_hf(CONFIGS["llama-gqa"])
+    model, cfg, kv = make_vattn(hf)
+    eager = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, record_logits=True)
+    eager_reqs, _ = run_engine(eager)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, forward_fn=compiled,
+                    min_tokens=2, record_logits=True)
+    engine.add_request(list(range(8)), SamplingParams(max_tokens=2))  # warm-up: one prefill, one decode
+    engine.run()
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        reqs, stats = run_engine(engine, step_offset=engine.step_count)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len({s.num_prefill_tokens + s.num_decode_tokens for s in stats}) > 3  # many different T
+    for a, b in zip(eager_reqs, reqs):
+        assert a.output_token_ids == b.output_token_ids
+        torch.testing.assert_close(torch.stack(engine.logits[b.req_id]), torch.stack(eager.logits[a.req_id]),
+                                   atol=1e-4, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-mha"])
+@pytest.mark.parametrize("backend", [None, "TRITON_ATTN"])
+def test_logits_match_transformers_bf16_cuda(name: str, backend: str | None) -> None:
+    """bf16 on the GPU: the same greedy tokens (except near-ties) and logits within bf16 tolerance."""
+    hf = make_hf(CONFIGS[name], dtype=torch.bfloat16, device="cuda")
+    with vattn.global_force_attn_backend_context_manager(backend):
+        model, cfg, kv = make_vattn(hf, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, record_logits=True)
+    reqs, _ = run_engine(engine)
+    for req in reqs:
+        ref = hf_logits(hf, req, device="cuda")
+        got = torch.stack(engine.logits[req.req_id])
+        diff = (got - ref).abs()
+        assert diff.max() < 0.1 and diff.mean() < 0.02, (req.req_id, diff.max(), diff.mean())
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.1  # positions that are not bf16 near-ties
+        same = ref.argmax(-1) == torch.tensor(req.output_token_ids)
+        assert bool(same[clear].all()), f"request {req.req_id}: tokens differ at {(~same).nonzero().flatten()}"
+
+
+# ---- the generation loop's own invariants ------------------------------------------------------
+
+
+def test_scheduler_invariants_under_preemption() -> None:
+    """Few KV blocks: requests get preempted and recomputed; no block is owned twice or leaked,
+    decodes always come first, and greedy outputs equal those of a run with ample blocks."""
+    hf = make_hf(CONFIGS["qwen3-gqa"])
+    model, cfg, kv = make_vattn(hf, num_blocks=64, block_size=4)
+    ample = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET)
+    ample_reqs, _ = run_engine(ample)
+
+    small = vattn.allocate_kv_cache(cfg, num_blocks=30, device="cpu")  # longest request needs 24 blocks
+    engine = Engine(model, cfg, small, device="cpu", max_num_batched_tokens=BUDGET, check_invariants=True)
+    schedule = engine.scheduler.schedule
+
+    def checked_schedule(step: int) -> list[tuple[Request, int]]:
+        out = schedule(step)
+        is_decode = [r.num_computed_tokens >= len(r.prompt_token_ids) and n == 1 for r, n in out]
+        assert is_decode == sorted(is_decode, reverse=True), "decodes must come first"
+        assert len({id(r) for r, _ in out}) == len(out)
+        assert sum(n for _, n in out) <= BUDGET
+        return out
+
+    engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
+    reqs, _ = run_engine(engine)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert engine.allocator.num_free == 30 and not engine.scheduler.running
+    for a, b in zip(ample_reqs, reqs):
+        assert len(b.output_token_ids) == MAX_TOKENS and not b.block_ids
+        assert a.output_token_ids == b.output_token_ids
+
+
+def test_block_allocator() -> None:
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3, owner=1)
+    assert a is not None and len(set(a)) == 3 and alloc.num_free == 1
+    assert alloc.allocate(2, owner=2) is None and alloc.num_free == 1  # all or nothing
+    with pytest.raises(AssertionError):
+        alloc.free(a[:1], owner=2)  # not the owner
+    alloc.free(a, owner=1)
+    with pytest.raises(AssertionError):
+        alloc.free(a[:1], owner=1)  # double free
+    assert alloc.num_free == 4
+
+
+def test_sampling() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]])).repeat(200, 1)
+    temp = torch.ones(400)
+    assert sample(logits).tolist() == [0, 2] * 200
+    # top_p 0.5: only the top token survives; top_p 1: all three appear.
+    assert sample(logits, temp, torch.full((400,), 0.5), g).tolist() == [0, 2] * 200
+    drawn = sample(logits, temp, torch.ones(400), g)
+    assert set(drawn[::2].tolist()) == {0, 1, 2}
+    # Per-row greedy where temperature == 0.
+    temp[::2] = 0
+    assert (sample(logits, temp, torch.ones(400), g)[::2] == 0).all()
+
+
+def test_load_hf_state_dict_errors() -> None:
+    hf = make_hf(CONFIGS["llama-gqa"])
+    model, _, _ = make_vattn(hf)
+    sd = hf.state_dict()
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight"):
+        model.load_hf_state_dict(sd)
+    sd = hf.state_dict()
+    sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"][:-1]
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        model.load_hf_state_dict(sd)

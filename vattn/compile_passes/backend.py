@@ -1,0 +1,377 @@
+"""The ``torch.compile`` backend of vattn, and ``vattn.compile``.
+
+Dynamo traces the whole model (``fullgraph=True``). ``VattnBackend`` then:
+
+1. splits the FX graph at the splitting ops (``cfg.compilation.splitting_ops``, by default
+   the two ``vattn::unified_attention*`` ops) with ``torch.fx.passes.split_module``, so each
+   attention op is alone in its own submodule and the rest forms *pieces* between them;
+2. compiles every piece with Inductor (``compile_fx``), with vattn's
+   ``PostGradPassManager`` installed as ``post_grad_custom_post_pass`` for that compile only
+   (a config patch; global Inductor config is never changed);
+3. compiles identical pieces once: a piece is identified by its graph (ops, arguments,
+   constants, with node names canonicalised) and its inputs' metadata (symbolic shapes,
+   strides, dtypes, devices). Every decoder layer's piece is the same graph, so a model of
+   N layers compiles about 3 pieces (first, middle, last), whatever N;
+4. returns the split module, which runs the pieces (each wrapped in a ``CUDAGraphPiece``
+   for piecewise CUDA graphs) and the attention ops in order.
+
+``vattn.compile(model, cfg)`` marks the token dimension of the inputs dynamic and
+compiles with size-oblivious symbols, so one graph serves every token count, including 1.
+Metadata reaches the attention ops through the forward context, not as graph inputs, so
+changing batch composition never recompiles. Counters: ``VattnBackend.counter`` (per
+backend) and ``compilation_counter`` (process-wide).
+
+| counter | meaning |
+| --- | --- |
+| num_graphs_seen | FX graphs Dynamo handed to the backend (1 per compile) |
+| num_pieces | pieces (non-splitting submodules) over those graphs |
+| num_splitting_ops | attention ops left between pieces |
+| num_inductor_compiles | pieces actually compiled (distinct graphs) |
+| num_piece_reuses | pieces that reused an identical piece's compiled code |
+| compile_seconds | wall time spent compiling pieces |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from vattn.compile_passes.piecewise import CUDAGraphPiece
+from vattn.config import VattnConfig, get_current_vattn_config
+
+__all__ = [
+    "CompilationCounter",
+    "VattnBackend",
+    "VattnCompiledModel",
+    "compilation_counter",
+    "compile",
+    "piece_key",
+    "split_graph",
+]
+
+logger = logging.getLogger("vattn.compile")
+
+
+@dataclasses.dataclass
+class CompilationCounter:
+    """Compile statistics (see the module docstring's table)."""
+
+    num_graphs_seen: int = 0
+    num_pieces: int = 0
+    num_splitting_ops: int = 0
+    num_inductor_compiles: int = 0
+    num_piece_reuses: int = 0
+    compile_seconds: float = 0.0
+
+    def snapshot(self) -> "CompilationCounter":
+        return dataclasses.replace(self)
+
+
+#: Process-wide totals over every ``VattnBackend``.
+compilation_counter = CompilationCounter()
+
+
+def _bump(counter: CompilationCounter, **deltas: float) -> None:
+    for c in (counter, compilation_counter):
+        for name, d in deltas.items():
+            setattr(c, name, getattr(c, name) + d)
+
+
+# ---- splitting ---------------------------------------------------------------------------
+
+
+def _op_names(target: Any) -> set[str]:
+    """Names a call target answers to: ``"ns::op"`` and ``"ns::op.overload"``."""
+    if isinstance(target, torch._ops.OpOverload):
+        base = target._schema.name
+        return {base, f"{base}.{target._overloadname}"}
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return {target._qualified_op_name}
+    return set()
+
+
+def is_splitting_node(node: fx.Node, splitting_ops: Sequence[str]) -> bool:
+    return node.op == "call_function" and bool(_op_names(node.target) & set(splitting_ops))
+
+
+@dataclasses.dataclass
+class SplitItem:
+    """One submodule of the split graph: a piece, or a lone splitting op."""
+
+    name: str
+    index: int
+    is_splitting: bool
+    graph: fx.GraphModule
+
+
+def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx.GraphModule, list[SplitItem]]:
+    """Split ``gm`` so that every splitting op sits alone in a submodule.
+
+    Returns the split module (its ``submod_<i>`` children run in order) and the items in
+    execution order. Nodes between two splitting ops form one piece.
+    """
+    part: dict[fx.Node, int] = {}
+    pid = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if is_splitting_node(node, splitting_ops):
+            pid += 1
+            part[node] = pid
+            pid += 1
+        else:
+            part[node] = pid
+    splitting_ids = {part[n] for n in part if is_splitting_node(n, splitting_ops)}
+    split_gm = torch.fx.passes.split_module.split_module(
+        gm, None, lambda n: part[n], keep_original_order=True
+    )
+    items: list[SplitItem] = []
+    for node in split_gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        index = int(node.target.rsplit("_", 1)[1])
+        items.append(SplitItem(node.target, index, index in splitting_ids, getattr(split_gm, node.target)))
+    return split_gm, items
+
+
+# ---- identical pieces --------------------------------------------------------------------
+
+
+def _target_key(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op in ("call_function",):
+        t = node.target
+        mod = getattr(t, "__module__", None) or ""
+        return f"{mod}.{getattr(t, '__qualname__', None) or getattr(t, '__name__', None) or t}"
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op in ("get_attr", "call_module"):
+        # A module attribute is per-layer state: only the very same object may share code.
+        obj = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        return f"{node.target}@{id(obj)}"
+    return ""
+
+
+def _value_key(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"T({tuple(str(s) for s in v.shape)},{tuple(str(s) for s in v.stride())},{v.dtype},{v.device},{v.requires_grad})"
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"S({v.node.expr})"
+    return f"C({v!r})"
+
+
+def piece_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """A hash of the piece's graph (node names canonicalised) and its inputs' metadata."""
+    index: dict[fx.Node, str] = {}
+    lines: list[str] = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = f"%{i}"
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        lines.append(f"{node.op}|{_target_key(gm, node)}|{args!r}")
+    lines.extend(_value_key(v) for v in example_inputs)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+# ---- the backend -------------------------------------------------------------------------
+
+
+class VattnBackend:
+    """``torch.compile`` backend: split at attention, compile pieces once, run in order.
+
+    Args:
+        config: the model's config (splitting ops, passes, ``use_inductor``, dump path).
+    """
+
+    def __init__(self, config: VattnConfig) -> None:
+        if not isinstance(config, VattnConfig):
+            raise TypeError(f"VattnBackend expects a vattn.VattnConfig, got {type(config).__name__}.")
+        self.config = config
+        self.splitting_ops = tuple(config.compilation.splitting_ops)
+        self.counter = CompilationCounter()
+        self.pieces: list[CUDAGraphPiece] = []
+        self.split_gm: fx.GraphModule | None = None
+        self.items: list[SplitItem] = []
+        self._compiled: dict[str, Callable[..., Any]] = {}
+        self._pass_manager: Any = None
+
+    @property
+    def pass_manager(self) -> Any:
+        if self._pass_manager is None:
+            from vattn.compile_passes.pass_manager import PostGradPassManager
+
+            self._pass_manager = PostGradPassManager.from_config(self.config)
+        return self._pass_manager
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        split_gm, items = split_graph(gm, self.splitting_ops)
+        n_split = sum(i.is_splitting for i in items)
+        _bump(self.counter, num_graphs_seen=1, num_pieces=len(items) - n_split, num_splitting_ops=n_split)
+        to_compile = {i.name: i for i in items if not i.is_splitting}
+        start = time.perf_counter()
+        with torch.no_grad():
+            _PieceCompiler(split_gm, to_compile, self).run(*_fake_inputs(example_inputs))
+        _bump(self.counter, compile_seconds=time.perf_counter() - start)
+        logger.info(
+            "vattn.compile: %d pieces around %d attention ops; %d compiled, %d reused (%.1fs)",
+            len(to_compile), n_split, self.counter.num_inductor_compiles,
+            self.counter.num_piece_reuses, time.perf_counter() - start,
+        )
+        self.split_gm, self.items = split_gm, items
+        return split_gm
+
+    def compile_piece(self, piece: fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
+        """Compiled code for ``piece``; an identical piece compiled before is reused."""
+        key = piece_key(piece, example_inputs)
+        fn = self._compiled.get(key)
+        if fn is not None:
+            _bump(self.counter, num_piece_reuses=1)
+            return fn
+        if not self.config.compilation.use_inductor:
+            fn = piece
+        else:
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {"post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
+            fn = compile_fx(piece, list(example_inputs), config_patches=patches)
+            _bump(self.counter, num_inductor_compiles=1)
+        self._compiled[key] = fn
+        return fn
+
+
+def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:
+    """The inputs as fake tensors of the backend's fake mode (symbolic sizes where Dynamo made them)."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return list(example_inputs)
+    # from_tensor finds each input's symbolic context in the active TracingContext.
+    return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split module on fake inputs; compiles each piece with its (fake) inputs."""
+
+    def __init__(self, module: fx.GraphModule, to_compile: Mapping[str, SplitItem], backend: VattnBackend) -> None:
+        super().__init__(module)
+        self.to_compile = to_compile
+        self.backend = backend
+
+    def run(self, *args: Any) -> Any:  # type: ignore[override]
+        from torch._dispatch.python import enable_python_dispatcher
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = detect_fake_mode(args) or FakeTensorMode()
+        with fake_mode, enable_python_dispatcher():
+            return super().run(*args)
+
+    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
+        out = super().call_module(target, args, kwargs)
+        item = self.to_compile.get(target)
+        if item is not None:
+            fn = self.backend.compile_piece(item.graph, args, target)
+            piece = CUDAGraphPiece(fn, item.index, target)
+            self.backend.pieces.append(piece)
+            self.module.__dict__[target] = piece  # shadows the submodule in the generated code
+        return out
+
+
+# ---- vattn.compile -----------------------------------------------------------------------
+
+
+class VattnCompiledModel(nn.Module):
+    """A model compiled by ``vattn.compile``; call it like the model.
+
+    Attributes the model has (``compute_logits``, ``config``, ...) are forwarded to it.
+    ``backend`` holds the compile statistics and the compiled pieces.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: VattnConfig,
+        *,
+        dynamic: bool,
+        dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.config = config
+        self.dynamic = dynamic
+        self.backend = VattnBackend(config)
+        self._dims = dict(dynamic_arg_dims) if dynamic_arg_dims is not None else None
+        self._signature = inspect.signature(model.forward)
+        compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
+        object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._dims is None:  # dim 0 of every tensor argument (token-major inputs)
+            for v in (*args, *kwargs.values()):
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    torch._dynamo.mark_dynamic(v, 0)
+            return
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        for name, dims in self._dims.items():
+            v = bound.get(name)
+            if isinstance(v, torch.Tensor):
+                torch._dynamo.mark_dynamic(v, list(dims) if not isinstance(dims, int) else dims)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dynamic:
+            self._mark_dynamic(args, kwargs)
+        # Size-oblivious symbols: no 0/1 specialisation, so a 1-token step reuses the graph.
+        with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return self._compiled(*args, **kwargs)
+
+
+def compile(  # noqa: A001  (mirrors torch.compile)
+    model: nn.Module,
+    config: VattnConfig | None = None,
+    *,
+    dynamic: bool = True,
+    dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None = None,
+) -> VattnCompiledModel:
+    """Compile ``model`` for inference: whole-graph Dynamo, split at attention, Inductor per piece.
+
+    Args:
+        model: an ``nn.Module`` whose attention layers are ``vattn.Attention`` (built under ``config``).
+        config: the config the model was built under (default: the current one).
+        dynamic: mark the token dimension dynamic, so one graph serves every batch; with
+            False every new token count compiles again.
+        dynamic_arg_dims: forward-argument name -> dim(s) to mark dynamic; default: dim 0 of
+            every tensor argument (``input_ids`` (T,), ``positions`` (T,), ...). Give e.g.
+            ``{"input_ids": 0, "positions": -1}`` for M-RoPE positions of shape (3, T).
+
+    Returns a ``VattnCompiledModel``. Compilation happens on the first call, which must run
+    inside ``vattn.set_forward_context`` (metadata ``None`` is fine). The model runs under
+    ``torch.no_grad()``.
+
+    Example::
+
+        compiled = vattn.compile(model, cfg)
+        with vattn.set_forward_context(kv.build_metadata(common), cfg):
+            hidden = compiled(input_ids, positions)
+        compiled.backend.counter.num_inductor_compiles   # about 3 for any depth
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"vattn.compile expects an nn.Module, got {type(model).__name__}.")
+    config = config if config is not None else get_current_vattn_config()
+    if not isinstance(config, VattnConfig):
+        raise TypeError(f"vattn.compile: config must be a vattn.VattnConfig, got {type(config).__name__}.")
+    return VattnCompiledModel(model, config, dynamic=dynamic, dynamic_arg_dims=dynamic_arg_dims)
