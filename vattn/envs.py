@@ -8,6 +8,8 @@ environment at access time), so tests and users may change them at run time.
 | ``VATTN_ATTENTION_BACKEND`` | force a backend by name (``FLASHINFER``, ``TRITON_ATTN``, ...) |
 | ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` or ``HND``: the stride order of the paged KV cache |
 | ``VATTN_DEBUG_CHECKS`` | ``1``: add (syncing) bound checks of slot mappings and block tables |
+| ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every CUDA-graph replay that inputs and metadata sit where the capture read them |
+| ``TRITON_INTERPRET`` | Triton's own flag, read here: ``1`` lets TRITON_ATTN run on CPU (the Triton interpreter) |
 | ``VATTN_Q_SCALE_CONSTANT`` etc. | divisors used by ``calc_kv_scales`` (defaults 200, 100, 100) |
 """
 
@@ -35,6 +37,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VATTN_ATTENTION_BACKEND": _opt_str("VATTN_ATTENTION_BACKEND"),
     "VATTN_KV_CACHE_LAYOUT": _opt_str("VATTN_KV_CACHE_LAYOUT"),
     "VATTN_DEBUG_CHECKS": _flag("VATTN_DEBUG_CHECKS"),
+    "VATTN_CUDAGRAPH_DEBUG": _flag("VATTN_CUDAGRAPH_DEBUG"),
+    "TRITON_INTERPRET": _flag("TRITON_INTERPRET"),
     "VATTN_Q_SCALE_CONSTANT": _int("VATTN_Q_SCALE_CONSTANT", 200),
     "VATTN_K_SCALE_CONSTANT": _int("VATTN_K_SCALE_CONSTANT", 100),
     "VATTN_V_SCALE_CONSTANT": _int("VATTN_V_SCALE_CONSTANT", 100),
@@ -44,6 +48,8 @@ if __debug__:  # static names for type checkers
     VATTN_ATTENTION_BACKEND: str | None
     VATTN_KV_CACHE_LAYOUT: str | None
     VATTN_DEBUG_CHECKS: bool
+    VATTN_CUDAGRAPH_DEBUG: bool
+    TRITON_INTERPRET: bool
     VATTN_Q_SCALE_CONSTANT: int
     VATTN_K_SCALE_CONSTANT: int
     VATTN_V_SCALE_CONSTANT: int

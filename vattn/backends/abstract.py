@@ -274,7 +274,7 @@ class AttentionImpl(ABC, Generic[M]):
         | output | (T, H, D), written in place (the first ``num_actual_tokens`` rows) |
 
         ``attn_metadata is None`` is a profiling / warm-up run: leave the cache untouched
-        and return ``output`` (the caller zero-filled it).
+        (the op zero-fills ``output`` itself). Rows past ``num_actual_tokens`` are left unspecified.
         """
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:

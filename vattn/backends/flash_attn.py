@@ -10,11 +10,12 @@ the first interface that is installed and runs paged KV on this GPU, in this ord
 | FA2 (``flash_attn`` 2.x) | ``flash_attn_varlen_func`` with ``block_table`` | SM80+, block size % 256 == 0 | UNIFORM_BATCH |
 
 One varlen call serves a mixed batch of decodes and (chunked) prefills. KV cache: logical
-``(2, num_blocks, block_size, Hk, D)``, physical NHD or HND. For CUDA graphs the builder keeps
-persistent ``cu_seqlens_q`` / ``seqused_k`` / page-table buffers: a step whose padded token
-count ``T`` is a capture size runs as ``T`` requests (the extra ones empty) with
-``max_seqlen_q = T`` and ``max_seqlen_k = width * block_size``, launch parameters that depend
-on ``T`` only, so any batch of ``T`` tokens replays the graph captured for ``T``.
+``(2, num_blocks, block_size, Hk, D)``, physical NHD or HND. For CUDA graphs (the contract in
+``vattn.cudagraph``) the builder keeps persistent ``cu_seqlens_q`` / ``seqused_k`` / page-table /
+slot buffers: a step of ``T <= max capture size`` tokens runs as ``T`` requests (the extra ones
+empty) with ``max_seqlen_q = T`` and ``max_seqlen_k = width * block_size``, launch parameters
+that depend on ``T`` only, so any batch of ``T`` tokens replays the graph captured for ``T`` (and
+the eager warm-up before a capture compiles the very kernel the capture records).
 
 Features: sliding window, soft cap (all); sinks (flash-attn-4 ``learnable_sink``); ALiBi (FA2);
 fp8 KV caches with fp8 queries and descales (FA3 on SM90, flash-attn-4 on SM100), bf16 models.
@@ -237,6 +238,9 @@ class FlashAttentionMetadata(AttentionMetadata):
     | seq_lens | (B,) int32 | seqused_k (cached + new tokens) |
     | block_table | (B, W) int32 | page table |
     | cu_seqlens_k | (B+1,) int32 or None | FA2 only |
+
+    ``use_cuda_graph``: ``T`` is a (captured) CUDA-graph size, so the fields are views of the
+    persistent buffers (small eager batches on CUDA use them too, with ``use_cuda_graph`` False).
     """
 
     num_actual_tokens: int
@@ -252,8 +256,9 @@ class FlashAttentionMetadata(AttentionMetadata):
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
-    """Hands the common tensors to the kernel; persistent buffers and fixed launch params per
-    capture size for CUDA graphs. ``cudagraph_support`` follows the interface (see the module table)."""
+    """Persistent buffers and launch params fixed per token count ``T`` for every batch up to the
+    largest capture size (on CUDA; capture sizes only elsewhere), the caller's tensors with exact
+    launch params above it. ``cudagraph_support`` follows the interface (see the module table)."""
 
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
     reorder_batch_threshold: ClassVar[int | None] = 1
@@ -267,9 +272,12 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self.cudagraph_support = _cg_support(iface)  # type: ignore[misc]  (per interface)
         comp = vattn_config.compilation
         self._capture_sizes = set(comp.capture_sizes()) if comp.cudagraph_mode in _FULL_GRAPH_MODES else set()
-        self._max_graph_tokens = max(comp.capture_sizes(), default=1)
+        self._max_graph_tokens = max([comp.max_capture_size, *comp.capture_sizes()])
         self._graph_sizes: set[int] = set()
         self._buffers: dict[str, torch.Tensor] | None = None
+        # On CUDA every batch of at most the largest capture size takes the persistent path, so an
+        # eager warm-up runs the very launch parameters (and JIT-compiled kernel) a capture will.
+        self.use_persistent_buffers = self.device.type == "cuda"
         context = vattn_config.compilation.static_forward_context
         self._layer = context.get(layer_names[0]) if layer_names else None
 
@@ -286,6 +294,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         if force_graph or rows in self._graph_sizes or rows in self._capture_sizes:
             return self._build_graph(cm, rows)
         b = cm.num_reqs
+        if self.use_persistent_buffers and b <= rows <= self._max_graph_tokens and self._fits(cm):
+            return self._build_graph(cm, rows, mark=False)
         seq = cm.seq_lens[:b]
         md = FlashAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
@@ -304,10 +314,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             num_blocks = cache.shape[1] if cache is not None and cache.dim() == 5 else cm.block_table_tensor.shape[1]
             width = min(num_blocks, max(cm.block_table_tensor.shape[1], _MAX_GRAPH_TABLE_ENTRIES // n))
             z = functools.partial(torch.zeros, dtype=torch.int32, device=self.device)
-            self._buffers = {"qsl": z(n + 1), "seq": z(n), "cu_k": z(n + 1), "table": z((n, width))}
+            self._buffers = {"qsl": z(n + 1), "seq": z(n), "cu_k": z(n + 1), "table": z((n, width)),
+                             "slots": torch.full((n,), -1, dtype=torch.int64, device=self.device)}
         return self._buffers
 
-    def _build_graph(self, cm: CommonAttentionMetadata, rows: int) -> FlashAttentionMetadata:
+    def _pages_needed(self, cm: CommonAttentionMetadata) -> int:
+        n = cm.num_reqs
+        return -(-int(cm.seq_lens_cpu[:n].max()) // self.kv_cache_spec.block_size) if n else 0
+
+    def _fits(self, cm: CommonAttentionMetadata) -> bool:
+        return self._pages_needed(cm) <= self._persistent(cm)["table"].shape[1]
+
+    def _build_graph(self, cm: CommonAttentionMetadata, rows: int, mark: bool = True) -> FlashAttentionMetadata:
         """Copy the batch into the persistent buffers as ``rows`` requests (the extra ones empty)."""
         if rows > self._max_graph_tokens:
             raise ValueError(
@@ -323,7 +341,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 f"FLASH_ATTN: {cm.num_reqs} requests with tokens beyond the first {rows} cannot run as a "
                 f"CUDA-graph step of {rows} tokens; pad requests only with empty (query length 0) ones."
             )
-        pages = -(-int(cm.seq_lens_cpu[:n].max()) // self.kv_cache_spec.block_size) if n else 0
+        pages = self._pages_needed(cm)
         if pages > table.shape[1]:
             raise ValueError(
                 f"FLASH_ATTN: a request needs {pages} blocks but the CUDA-graph page table holds "
@@ -335,16 +353,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         buf["seq"][:n].copy_(cm.seq_lens[:n], non_blocking=True)
         buf["seq"][n:rows].zero_()
         table[:n, :w].copy_(cm.block_table_tensor[:n, :w], non_blocking=True)
+        buf["slots"][:rows].copy_(cm.slot_mapping, non_blocking=True)
         cu_k = None
         if self.iface is not None and self.iface.name == "fa2":
             cu_k = buf["cu_k"][: rows + 1]
             torch.cumsum(buf["seq"][:rows], 0, out=cu_k[1:])
-        self._graph_sizes.add(rows)
+        if mark:
+            self._graph_sizes.add(rows)
         return FlashAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
+            num_actual_tokens=cm.num_actual_tokens, slot_mapping=buf["slots"][:rows],
             query_start_loc=buf["qsl"][: rows + 1], seq_lens=buf["seq"][:rows], block_table=table[:rows],
             max_query_len=rows, max_seq_len=table.shape[1] * self.kv_cache_spec.block_size,
-            causal=cm.causal, cu_seqlens_k=cu_k, use_cuda_graph=True,
+            causal=cm.causal, cu_seqlens_k=cu_k, use_cuda_graph=mark,
         )
 
 
@@ -377,6 +397,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         self._fp8_dtype = fp8_dtype_for(kv_cache_dtype)
         self._iface: FlashAttnInterface | None = None
         self._dev_cache: dict[str, torch.Tensor] = {}
+        if (alibi_slopes is not None or sinks is not None) and torch.cuda.is_available():
+            self._interface()  # refuse ALiBi / sinks the installed interface lacks at construction
 
     def _interface(self) -> FlashAttnInterface:
         if self._iface is None:

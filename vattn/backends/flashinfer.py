@@ -9,10 +9,11 @@ flashinfer-python 0.7.2.
   ``BatchDecodeWithPagedKVCacheWrapper`` (tensor-core decode) for the decodes and a
   ``BatchPrefillWithPagedKVCacheWrapper`` for the rest, once for all layers of the group; the
   impl stores the new K/V and ``run``s both into slices of the caller's output.
-* CUDA graphs (``UNIFORM_SINGLE_TOKEN_DECODE``): a pure-decode step whose padded token count
-  is a capture size uses one decode wrapper per size built with ``use_cuda_graph=True`` over
-  persistent indptr / indices / last-page-length buffers shared by all sizes. A later step of
-  that size writes only the buffer entries that changed and re-plans without copies
+* CUDA graphs (``UNIFORM_SINGLE_TOKEN_DECODE``; the contract in ``vattn.cudagraph``): a
+  pure-decode step whose padded token count is a capture size (or was captured) uses one decode
+  wrapper per size built with ``use_cuda_graph=True`` over persistent indptr / indices /
+  last-page-length / slot buffers shared by all sizes. A later step of that size writes only the
+  host-side entries that changed (and the page indices) and re-plans without copies
   (``flashinfer.decode.fast_decode_plan``); the replayed graph reads the new plan.
 * Every layer of a group must share window, soft cap and scale (FlashInfer plans them), fp8 KV
   caches use the layer's host scales, sinks and ALiBi are not supported (the Hopper kernels of
@@ -65,7 +66,7 @@ logger = logging.getLogger("vattn.backends.flashinfer")
 
 #: Float workspace shared by every wrapper on a device (split-KV partial results).
 WORKSPACE_BYTES = 256 * 1024 * 1024
-#: Upper bound (entries) of the persistent CUDA-graph page-index buffer, unless the cache is smaller.
+#: Entries of the persistent CUDA-graph page-index buffer beyond 4 x num_blocks (64 MiB).
 _MAX_GRAPH_INDEX_ENTRIES = 1 << 24
 _FULL_GRAPH_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
 _workspaces: dict[torch.device, torch.Tensor] = {}
@@ -218,6 +219,7 @@ class _GraphBuffers:
     indptr: torch.Tensor  # (max_bs + 1,) int32
     indices: torch.Tensor  # (capacity,) int32
     last_page_len: torch.Tensor  # (max_bs,) int32
+    slots: torch.Tensor  # (max_bs,) int64: the step's slot_mapping (the graph's KV write reads it)
     host_indptr: torch.Tensor
     host_last_page_len: torch.Tensor
 
@@ -255,7 +257,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._layers = layers
         comp = vattn_config.compilation
         self._capture_sizes = set(comp.capture_sizes()) if comp.cudagraph_mode in _FULL_GRAPH_MODES else set()
-        self._max_graph_bs = max(comp.capture_sizes(), default=1)
+        self._max_graph_bs = max([comp.max_capture_size, *comp.capture_sizes()])
         self._prefill_wrapper: Any = None
         self._decode_wrapper: Any = None
         self._graph_wrappers: dict[int, Any] = {}
@@ -357,13 +359,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if self._graph is None:
             cache = self._layers[0].kv_cache[0] if self._layers and hasattr(self._layers[0], "kv_cache") else None
             num_blocks = cache.shape[0] if cache is not None and cache.dim() == 5 else cm.block_table_tensor.shape[1]
-            per_req = max(cm.block_table_tensor.shape[1], _MAX_GRAPH_INDEX_ENTRIES // self._max_graph_bs)
-            capacity = self._max_graph_bs * min(num_blocks, per_req) + self._max_graph_bs
-            n = self._max_graph_bs
+            n = self._max_graph_bs  # pages of a batch: <= n * num_blocks, in practice <= num_blocks
+            capacity = min(n * num_blocks, max(4 * num_blocks, _MAX_GRAPH_INDEX_ENTRIES)) + n
             self._graph = _GraphBuffers(
                 indptr=torch.zeros(n + 1, dtype=torch.int32, device=self.device),
                 indices=torch.zeros(capacity, dtype=torch.int32, device=self.device),
                 last_page_len=torch.ones(n, dtype=torch.int32, device=self.device),
+                slots=torch.full((n,), -1, dtype=torch.int64, device=self.device),
                 host_indptr=torch.zeros(n + 1, dtype=torch.int32),
                 host_last_page_len=torch.ones(n, dtype=torch.int32),
             )
@@ -395,6 +397,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if not torch.equal(g.host_last_page_len[:bs], last):
             g.last_page_len[:bs].copy_(last, non_blocking=True)
             g.host_last_page_len[:bs] = last
+        g.slots[:bs].copy_(cm.slot_mapping, non_blocking=True)
+        md.slot_mapping = g.slots[:bs]
         real = int(indptr[n])
         gather_page_indices(cm.block_table_tensor, indptr[: n + 1], out=g.indices[:real])
         if total > real:

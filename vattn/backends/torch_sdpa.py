@@ -14,7 +14,6 @@ encoder / encoder-only (non-causal over the given K/V, no cache), encoder-decode
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -28,14 +27,16 @@ from vattn.backends.abstract import (
     AttentionMetadata,
     AttentionType,
 )
-from vattn.backends.utils import AttentionMetadataBuilder, CommonAttentionMetadata
+from vattn.backends.utils import (
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    get_kv_cache_layout,
+)
 from vattn.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv
 
 if TYPE_CHECKING:
     from vattn.layer import Attention
-
-logger = logging.getLogger("vattn.backends.torch_sdpa")
 
 __all__ = ["TorchSDPABackend", "TorchSDPAImpl", "TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]
 
@@ -86,10 +87,7 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Identity for the NHD layout, ``(0, 1, 3, 2, 4)`` for HND (``get_kv_cache_layout()``)."""
-        from vattn.backends import utils
-
-        get_layout = getattr(utils, "get_kv_cache_layout", None)
-        layout = get_layout() if get_layout is not None else "NHD"
+        layout = get_kv_cache_layout()
         if layout == "HND":
             return _HND_ORDER
         if layout == "NHD":
@@ -157,7 +155,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         i = torch.arange(Lq, device=dev)
         query_valid = i[None, :] < qlens[:, None]
         query_index = torch.where(query_valid, qsl[:-1, None] + i[None, :], 0)
-        query_pos = (seq_lens - qlens - 1)[:, None] + i[None, :]
+        query_pos = (seq_lens - qlens)[:, None] + i[None, :]
 
         j = torch.arange(Lk, device=dev)
         key_valid = j[None, :] < seq_lens[:, None]
@@ -324,6 +322,15 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         allowed = allowed.expand(q_pos.shape[0], q_pos.shape[1], Lk)
         return allowed | ~allowed.any(-1, keepdim=True)
 
+    def _expand_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Lk, Hk, D) -> (B, H, Lk, D); query head h reads KV head h // (H // Hk).
+
+        ``expand`` + ``reshape`` rather than ``repeat_interleave``, which may sync on some versions.
+        """
+        B, Lk, Hk, D = x.shape
+        x = x.transpose(1, 2)[:, :, None].expand(B, Hk, self.num_queries_per_kv, Lk, D)
+        return x.reshape(B, self.num_heads, Lk, D)
+
     def _attend(
         self,
         q: torch.Tensor,
@@ -337,10 +344,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         causal = causal and self.attn_type == AttentionType.DECODER
         if self.attn_type in _ENCODER_SELF:
             q_pos = torch.arange(q.shape[1], device=q.device).expand(q.shape[0], -1)
-        g = self.num_queries_per_kv
         q = q.transpose(1, 2)  # (B, H, Lq, D)
-        k = k.transpose(1, 2).repeat_interleave(g, dim=1)  # (B, H, Lk, D)
-        v = v.transpose(1, 2).repeat_interleave(g, dim=1)
+        k, v = self._expand_kv_heads(k), self._expand_kv_heads(v)  # (B, H, Lk, D)
         allowed = self._mask(q_pos, key_valid, causal)[:, None]  # (B, 1, Lq, Lk)
         bias = None
         if self.alibi_slopes is not None and self.attn_type != AttentionType.ENCODER_DECODER:

@@ -15,8 +15,14 @@ Dynamo traces the whole model (``fullgraph=True``). ``VattnBackend`` then:
 4. returns the split module, which runs the pieces (each wrapped in a ``CUDAGraphPiece``
    for piecewise CUDA graphs) and the attention ops in order.
 
-``vattn.compile(model, cfg)`` marks the token dimension of the inputs dynamic and
-compiles with size-oblivious symbols, so one graph serves every token count, including 1.
+``vattn.compile(model, cfg)`` marks the token dimension of the inputs dynamic, as an
+*unbacked* symbol (``torch._dynamo.decorators.mark_unbacked``): Dynamo and Inductor then
+never specialise on its value (no 0/1 specialisation, no guards on it), so the compiled
+code is valid for every token count, 1 included, and nothing recompiles. (A backed symbol
+would be guarded ``!= 1`` by any reshape of a non-contiguous q/k/v split, and a 1-token
+decode step would recompile.) The flip side: Python in the model must not branch on the
+token count (vattn models never need to: batch structure lives in the metadata); such a
+branch fails at trace time with a data-dependent-guard error naming the line.
 Metadata reaches the attention ops through the forward context, not as graph inputs, so
 changing batch composition never recompiles. Counters: ``VattnBackend.counter`` (per
 backend) and ``compilation_counter`` (process-wide).
@@ -204,6 +210,11 @@ class VattnBackend:
         self._pass_manager: Any = None
 
     @property
+    def num_unique_pieces(self) -> int:
+        """Distinct piece graphs compiled so far (identical pieces count once)."""
+        return len(self._compiled)
+
+    @property
     def pass_manager(self) -> Any:
         if self._pass_manager is None:
             from vattn.compile_passes.pass_manager import PostGradPassManager
@@ -321,22 +332,23 @@ class VattnCompiledModel(nn.Module):
             return getattr(self._modules["model"], name)
 
     def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mark = torch._dynamo.decorators.mark_unbacked
         if self._dims is None:  # dim 0 of every tensor argument (token-major inputs)
             for v in (*args, *kwargs.values()):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    torch._dynamo.mark_dynamic(v, 0)
+                    mark(v, 0)
             return
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         for name, dims in self._dims.items():
             v = bound.get(name)
             if isinstance(v, torch.Tensor):
-                torch._dynamo.mark_dynamic(v, list(dims) if not isinstance(dims, int) else dims)
+                for d in [dims] if isinstance(dims, int) else dims:
+                    mark(v, d % v.dim())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.dynamic:
             self._mark_dynamic(args, kwargs)
-        # Size-oblivious symbols: no 0/1 specialisation, so a 1-token step reuses the graph.
-        with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with torch.no_grad():
             return self._compiled(*args, **kwargs)
 
 
@@ -352,8 +364,8 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     Args:
         model: an ``nn.Module`` whose attention layers are ``vattn.Attention`` (built under ``config``).
         config: the config the model was built under (default: the current one).
-        dynamic: mark the token dimension dynamic, so one graph serves every batch; with
-            False every new token count compiles again.
+        dynamic: mark the token dimension dynamic (unbacked, see the module docstring), so
+            one graph serves every batch; with False every new token count compiles again.
         dynamic_arg_dims: forward-argument name -> dim(s) to mark dynamic; default: dim 0 of
             every tensor argument (``input_ids`` (T,), ``positions`` (T,), ...). Give e.g.
             ``{"input_ids": 0, "positions": -1}`` for M-RoPE positions of shape (3, T).

@@ -25,7 +25,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vattn.ops.triton_fp8 import round_to_fp8_grid
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add2(a, b):
+    return a + b
+
+
+# Row reductions go through tl.reduce with Triton's own combiners (what tl.max / tl.sum use;
+# the CPU interpreter reduces those with numpy) so that no triton.language @jit helper is
+# called: those are compiled-mode objects unless TRITON_INTERPRET was set before triton was
+# imported, and the tests build these kernels in interpreter mode after the fact.
+_MAX = getattr(tl.standard, "_elementwise_max", _max2)
+_SUM = getattr(tl.standard, "_sum_combine", _add2)
 
 
 @triton.jit
@@ -39,7 +59,6 @@ def _attend_tiles(
     TILE_N: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking."""
     offs_d = tl.arange(0, HEAD_PAD)
@@ -64,8 +83,7 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=k_mask, other=0.0)
         else:
             k = tl.load(k_ptrs)
-        if KV_FP8:
-            k = k.to(COMPUTE_DTYPE)
+        k = k.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
         if DOT_FP32:  # exact fp32 (fp32 models, and the CPU interpreter whose bf16 dot is wrong)
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -75,7 +93,7 @@ def _attend_tiles(
         else:
             s = s * qk_scale2
         if USE_ALIBI:
-            s += alibi2[:, None] * tl.abs(offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+            s += alibi2[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
         if MASK:
             ok = n_ok[None, :]
             if CAUSAL:
@@ -86,12 +104,12 @@ def _attend_tiles(
                     ok = ok & ((window_right < 0)
                                | (offs_n[None, :] <= q_pos[:, None] + window_right))
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         # Rows with nothing visible yet keep m = -inf; subtract 0 there to avoid inf - inf.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None]
         v_ptrs = (v_head_ptr + (blk * stride_vb + in_page * stride_vs)[:, None]
                   + offs_d[None, :] * stride_vd)
@@ -99,8 +117,7 @@ def _attend_tiles(
             v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         else:
             v = tl.load(v_ptrs)
-        if KV_FP8:
-            v = v.to(COMPUTE_DTYPE)
+        v = v.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -109,7 +126,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "window_left", "window_right"])
 def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seqused_k_ptr, block_table_ptr,
@@ -127,6 +144,7 @@ def _unified_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr,
 ):
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -134,7 +152,7 @@ def _unified_attention_kernel(
     split = tl.program_id(2)
 
     # Binary search: the largest request index with cu_q[i] // BLOCK_Q + i <= q_block.
-    seq = num_seqs * 0
+    seq = q_block * 0
     hi = num_seqs - 1
     while seq < hi:
         mid = (seq + hi + 1) // 2
@@ -174,9 +192,9 @@ def _unified_attention_kernel(
     qk_scale2 = scale * LOG2E
     softcap_in = scale / softcap * (2.0 * LOG2E)
     softcap_out = softcap * LOG2E
-    alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    alibi2 = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     if USE_ALIBI:
-        alibi2 = -tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        alibi2 = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
 
     # Key range of this q block, and its interior [full_lo, full_hi) that every row sees.
     q_first = ctx_len + q_off
@@ -208,13 +226,13 @@ def _unified_attention_kernel(
         s_hi = t_hi
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     if USE_SINKS:
         # The sink joins the softmax denominator once: in split 0 only.
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
         m_i = tl.where(split == 0, sink * LOG2E, float("-inf"))
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
 
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
@@ -226,21 +244,21 @@ def _unified_attention_kernel(
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, KV_FP8)
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI)
     acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
         acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
         tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
         qk_scale2, softcap_in, softcap_out, window_left, window_right,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, KV_FP8)
+        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI)
     acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
         acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
         tl.maximum(s_lo, u_hi), s_hi, seq_len,
         qk_scale2, softcap_in, softcap_out, window_left, window_right,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, KV_FP8)
+        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -257,17 +275,20 @@ def _unified_attention_kernel(
         if OUT_FP8:
             o = o / tl.load(out_scale_ptr)
             o = tl.minimum(tl.maximum(o, -FP8_OUT_MAX), FP8_OUT_MAX)
+            if FP8_ROUND_FIX:
+                o = round_to_fp8_grid(o, FP8_ROUND_FIX)
         o_ptrs = (out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh
                   + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _combine_splits_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr, out_scale_ptr,
     num_seqs, num_tokens, stride_ot, stride_oh, stride_od,
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr,
 ):
     """Merge split partials of one (token, head): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``."""
     t = tl.program_id(0)
@@ -278,14 +299,16 @@ def _combine_splits_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     row = (offs_s * num_tokens + t) * NUM_Q_HEADS + h
     lse = tl.load(part_lse_ptr + row)
-    m = tl.max(lse, 0)
+    m = tl.reduce(lse, 0, _MAX)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     o = tl.load(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :])
-    denom = tl.sum(w, 0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    denom = tl.reduce(w, 0, _SUM)
+    o = tl.reduce(o * w[:, None], 0, _SUM) / tl.where(denom > 0.0, denom, 1.0)
     if OUT_FP8:
         o = o / tl.load(out_scale_ptr)
         o = tl.minimum(tl.maximum(o, -FP8_OUT_MAX), FP8_OUT_MAX)
+        if FP8_ROUND_FIX:
+            o = round_to_fp8_grid(o, FP8_ROUND_FIX)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
+from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix
 
 logger = logging.getLogger("vattn.ops.triton_unified_attention")
 
@@ -44,7 +45,6 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 2
 SPLIT_SCRATCH_BYTES = 16 << 20
 """Budget of the split-KV partial-output scratch (fp32), bounding ``num_splits * num_tokens``."""
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -218,7 +218,8 @@ def unified_attention(
     ``causal`` hides later keys, ``window = (left, right)`` (-1 = unlimited; ``right`` is 0
     under ``causal``) keeps keys in ``[pos - left, pos + right]``, ``softcap`` applies
     ``softcap * tanh(s / softcap)`` to the scaled logits, ALiBi adds
-    ``-slope * |pos_q - pos_k|``, a sink adds ``exp(sink)`` to the softmax denominator.
+    ``slope * (pos_k - pos_q)`` (vLLM's convention), a sink adds ``exp(sink)`` to the
+    softmax denominator.
     Rows of tokens past ``cu_seqlens_q[B]`` (padding) are left untouched.
 
     ``max_seqlen_q`` only picks the config; ``max_seqlen_k`` is accepted for FlashAttention
@@ -259,9 +260,9 @@ def unified_attention(
         config = dataclasses.replace(config, num_splits=num_splits)
     _check(config.block_m >= qpk, f"config.block_m ({config.block_m}) must be >= query heads per KV head ({qpk}).")
 
-    q_fp8 = q.dtype in _FP8_DTYPES
-    kv_fp8 = k_cache.dtype in _FP8_DTYPES
-    out_fp8 = out.dtype in _FP8_DTYPES
+    q_fp8 = q.dtype in FP8_DTYPES
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    out_fp8 = out.dtype in FP8_DTYPES
     _check(v_cache.dtype == k_cache.dtype, f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ.")
     if not q_fp8:
         compute = q.dtype
@@ -272,15 +273,16 @@ def unified_attention(
     if compute not in _TL_DTYPES:
         raise TypeError(f"unsupported dtypes: q {q.dtype}, cache {k_cache.dtype}, out {out.dtype}; "
                         "use fp16/bf16/fp32 (fp8 for the cache, q and out with scales).")
-    if not kv_fp8 and k_cache.dtype != compute:
-        raise TypeError(f"the KV cache dtype ({k_cache.dtype}) must match the query dtype ({compute}) "
-                        "unless the cache is fp8.")
+    if not kv_fp8 and k_cache.dtype not in _TL_DTYPES:
+        raise TypeError(f"unsupported KV cache dtype {k_cache.dtype}; use fp16/bf16/fp32 or fp8 "
+                        "(float8_e4m3fn / float8_e5m2).")
     dummy = q  # stands in for absent optional pointers (never read)
     qs = _as_scale(q_scale, "q_scale", q.device) if q_fp8 else dummy
     ks = _as_scale(k_scale, "k_scale", q.device) if kv_fp8 else dummy
     vs = _as_scale(v_scale, "v_scale", q.device) if kv_fp8 else dummy
     os_ = _as_scale(output_scale, "output_scale", q.device) if out_fp8 else dummy
     fp8_out_max = float(torch.finfo(out.dtype).max) if out_fp8 else 0.0
+    round_fix = fp8_round_fix(out.dtype, out.device)
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None:
             _check(t.shape == (num_q_heads,), f"{name} must have shape (H,) = ({num_q_heads},), got {tuple(t.shape)}.")
@@ -327,6 +329,7 @@ def unified_attention(
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
+        FP8_ROUND_FIX=round_fix,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -334,6 +337,6 @@ def unified_attention(
             out, partial_out, partial_lse, cu_seqlens_q, os_,
             num_seqs, num_tokens, out.stride(0), out.stride(1), out.stride(2),
             NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=hp, NUM_SPLITS=splits,
-            OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
+            OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max, FP8_ROUND_FIX=round_fix,
             num_warps=4,
         )

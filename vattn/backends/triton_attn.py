@@ -1,0 +1,401 @@
+"""TRITON_ATTN: vattn's own Triton paged-attention kernels behind the backend interface.
+
+One launch of ``vattn.ops.triton_unified_attention.unified_attention`` serves a whole mixed
+batch (decodes and chunked prefills with cached context), preceded by ``store_kv``.
+
+| feature | support |
+| --- | --- |
+| head sizes | multiples of 8 up to 256 (computed padded to a power of two) |
+| block sizes | any (the kernel reads the block table per token; 16 and 32 are the GPU-tested ones) |
+| dtypes | fp16, bf16, fp32 |
+| KV cache | auto, bfloat16, float16, float32, fp8 / fp8_e4m3, fp8_e5m2 (per-layer scales) |
+| extras | GQA/MQA, causal with offset, sliding window, soft cap, ALiBi, sinks, fp8 query, fp8 output |
+| attention types | decoder, encoder-decoder (cross-attention over the cached encoder K/V) |
+| CUDA graphs | ``ALWAYS``: persistent metadata buffers, one kernel path per captured size |
+
+KV cache: logical ``(2, num_blocks, block_size, Hk, D)``; physical NHD or HND by
+``vattn.backends.utils.get_kv_cache_layout()`` (the kernels use strides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from vattn import envs
+from vattn.backends.abstract import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionType,
+)
+from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
+from vattn.config import CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from vattn.config import VattnConfig
+    from vattn.layer import Attention
+    from vattn.ops.triton_unified_attention import UnifiedAttentionConfig
+
+logger = logging.getLogger("vattn.backends.triton_attn")
+
+__all__ = [
+    "TritonAttentionBackend",
+    "TritonAttentionImpl",
+    "TritonAttentionMetadata",
+    "TritonAttentionMetadataBuilder",
+]
+
+_NHD_ORDER = (0, 1, 2, 3, 4)
+_HND_ORDER = (0, 1, 3, 2, 4)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SUPPORTED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """vattn's Triton backend: portable wherever Triton runs (GPU, or CPU under TRITON_INTERPRET=1)."""
+
+    accept_output_buffer: ClassVar[bool] = True
+    supports_quant_query_input: ClassVar[bool] = True
+    supports_output_quant: ClassVar[bool] = True
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
+    supports_sink: ClassVar[bool] = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type["TritonAttentionImpl"]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type["TritonAttentionMetadata"]:
+        return TritonAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type["TritonAttentionMetadataBuilder"]:
+        return TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        """Identity for NHD, ``(0, 1, 3, 2, 4)`` for HND (``get_kv_cache_layout()``)."""
+        from vattn.backends.utils import get_kv_cache_layout
+
+        return _HND_ORDER if get_kv_cache_layout() == "HND" else _NHD_ORDER
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> tuple[int, ...]:
+        return tuple(range(8, 257, 8))
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False, "triton is not installed; pip install 'vattn[triton]' (triton>=3.6)"
+        if torch.cuda.is_available() or envs.TRITON_INTERPRET:
+            return True, ""
+        return False, ("TRITON_ATTN needs a CUDA GPU, or TRITON_INTERPRET=1 to run its kernels on CPU "
+                       "through the Triton interpreter (slow; for tests)")
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """One step's metadata. T = token rows of the step (padded), Bk = requests the kernel sees.
+
+    Under CUDA graphs (T <= the largest capture size) every tensor is a view of the builder's
+    persistent buffers and ``Bk = T``: requests past ``num_reqs`` are empty padding
+    (``query_start_loc`` repeats the token count, ``seq_lens`` is 0).
+
+    | field | shape / type | meaning |
+    | --- | --- | --- |
+    | num_actual_tokens | int | real tokens (rows of output written) |
+    | num_tokens | int | T: rows of slot_mapping (= query rows, except for cross-attention) |
+    | num_reqs | int | requests in the batch (as given) |
+    | max_query_len, max_seq_len | int | batch maxima |
+    | query_start_loc | (Bk + 1,) int32 | cumulative query lengths |
+    | seq_lens | (Bk,) int32 | cached + new tokens per request |
+    | block_table | (Bk, max_blocks) int32 | block ids per request |
+    | slot_mapping | (T,) int64 | cache slot of each new token, -1 = padding |
+    | causal | bool | the batch's causal flag |
+    | config | UnifiedAttentionConfig | launch config (tiles, splits), fixed per captured size |
+    | partial_out, partial_lse | fp32 or None | split-KV scratch (persistent) |
+    """
+
+    num_actual_tokens: int
+    num_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    config: "UnifiedAttentionConfig"
+    partial_out: torch.Tensor | None = None
+    partial_lse: torch.Tensor | None = None
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
+    """Builds ``TritonAttentionMetadata``; full CUDA graphs for any batch (``ALWAYS``).
+
+    Batches of at most ``max_graph_tokens`` rows (the largest capture size) are copied into
+    persistent buffers, updated in place every step, so a captured graph reads this step's
+    data; the kernel sees ``Bk = T`` requests and a config chosen from ``T`` alone (plus
+    whether the batch is decode-only), so one captured size holds one kernel path. Larger
+    batches run eagerly on the caller's tensors. The split-KV scratch is allocated once.
+    """
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vattn_config: "VattnConfig",
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vattn_config, device)
+        from vattn.ops.triton_unified_attention import (
+            default_max_split_rows,
+            device_num_sms,
+            split_scratch_numel,
+        )
+
+        comp = vattn_config.compilation
+        sizes = comp.capture_sizes()
+        self.max_graph_tokens = max([comp.max_capture_size, *sizes]) if sizes else comp.max_capture_size
+        layers = vattn_config.compilation.static_forward_context
+        heads = [getattr(layers.get(n), "num_heads", None) for n in layer_names]
+        heads = [h for h in heads if isinstance(h, int)]
+        # Query heads decide the scratch size; unknown (no registered layer) -> assume 8 per KV head.
+        self.num_q_heads = max(heads) if heads else 8 * kv_cache_spec.num_kv_heads
+        self.num_sms = device_num_sms(self.device)
+        self.max_split_rows = default_max_split_rows(self.num_q_heads, kv_cache_spec.head_size)
+        n_o, n_lse = split_scratch_numel(self.max_split_rows, self.num_q_heads, kv_cache_spec.head_size)
+        dev, n = self.device, self.max_graph_tokens
+        self.partial_out = torch.empty(n_o, dtype=torch.float32, device=dev)
+        self.partial_lse = torch.empty(n_lse, dtype=torch.float32, device=dev)
+        self._qsl = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self._block_table = torch.zeros((n, 1), dtype=torch.int32, device=dev)
+        # CUDA graphs exist only on CUDA; elsewhere skip the copies (tests may turn this on).
+        self.use_persistent_buffers = self.device.type == "cuda"
+
+    def _ensure_block_table_width(self, width: int) -> None:
+        if width > self._block_table.shape[1]:
+            if self._block_table.shape[1] > 1:
+                logger.warning(
+                    "TRITON_ATTN: block tables grew to %d columns; CUDA graphs captured before read "
+                    "the old buffer and must be captured again (build a capture batch with the "
+                    "widest block table first, e.g. max_blocks_per_req=ceil(max_len/block_size)).",
+                    width,
+                )
+            self._block_table = torch.zeros(
+                (self.max_graph_tokens, width), dtype=torch.int32, device=self.device
+            )
+
+    def _config(self, num_tokens: int, num_seqs: int, max_query_len: int) -> "UnifiedAttentionConfig":
+        from vattn.ops.triton_unified_attention import select_unified_attention_config
+
+        spec = self.kv_cache_spec
+        return select_unified_attention_config(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=self.num_q_heads,
+            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_seqlen_q=max_query_len,
+            num_sms=self.num_sms, max_split_rows=self.max_split_rows,
+        )
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TritonAttentionMetadata:
+        cm = common_attn_metadata
+        num_tokens = cm.slot_mapping.shape[0]
+        b = cm.num_reqs
+        max_q = cm.max_query_len
+        if self.use_persistent_buffers and 0 < num_tokens <= self.max_graph_tokens and b <= num_tokens:
+            bk = num_tokens
+            total = int(cm.query_start_loc_cpu[b])
+            self._qsl[: b + 1].copy_(cm.query_start_loc[: b + 1], non_blocking=True)
+            self._qsl[b + 1 : bk + 1].fill_(total)
+            self._seq_lens[:b].copy_(cm.seq_lens[:b], non_blocking=True)
+            self._seq_lens[b:bk].fill_(0)
+            self._slots[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
+            bt = cm.block_table_tensor
+            self._ensure_block_table_width(bt.shape[1])
+            self._block_table[:b, : bt.shape[1]].copy_(bt[:b], non_blocking=True)
+            qsl, seq_lens = self._qsl[: bk + 1], self._seq_lens[:bk]
+            block_table, slots = self._block_table[:bk], self._slots[:num_tokens]
+            # Decode-only or not is the one batch fact besides T the config looks at.
+            config = self._config(num_tokens, bk, 1 if max_q <= 1 else max_q)
+        else:
+            bk = b
+            qsl, seq_lens = cm.query_start_loc[: b + 1], cm.seq_lens[:b]
+            block_table, slots = cm.block_table_tensor[:b], cm.slot_mapping
+            config = self._config(num_tokens, bk, max_q)
+        return TritonAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_tokens=num_tokens,
+            num_reqs=b,
+            max_query_len=max_q,
+            max_seq_len=cm.max_seq_len,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slots,
+            causal=cm.causal,
+            config=config,
+            partial_out=self.partial_out if config.num_splits > 1 else None,
+            partial_lse=self.partial_lse if config.num_splits > 1 else None,
+        )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """Capture-time metadata: ``build`` already writes into the persistent buffers."""
+        md = self.build(0, common_attn_metadata)
+        if md.num_tokens > self.max_graph_tokens:
+            raise ValueError(
+                f"cannot capture a CUDA graph of {md.num_tokens} tokens: TRITON_ATTN's persistent "
+                f"buffers hold {self.max_graph_tokens} (CompilationConfig.max_capture_size / "
+                "cudagraph_capture_sizes); raise those or capture smaller sizes."
+            )
+        return md
+
+
+def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
+    """Whether ``quant_key`` (a QuantKey-like object or a dtype) means static per-tensor fp8."""
+    if isinstance(quant_key, torch.dtype):
+        return quant_key in _FP8
+    dtype = getattr(quant_key, "dtype", None)
+    scale = getattr(quant_key, "scale", quant_key)
+    static = getattr(scale, "static", True)
+    group = getattr(scale, "group_shape", None)
+    per_tensor = group is None or "TENSOR" in str(getattr(group, "name", group)).upper()
+    return dtype in _FP8 and bool(static) and per_tensor
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    """Stores new K/V (``store_kv``), then runs the unified Triton kernel into ``output``."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
+        if attn_type not in _SUPPORTED_TYPES:
+            raise NotImplementedError(
+                f"TRITON_ATTN serves attn_type {_SUPPORTED_TYPES}, got {attn_type!r}; use TORCH_SDPA or "
+                "FLASH_ATTN for encoder self-attention."
+            )
+        if kv_cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {CACHE_DTYPES}, got {kv_cache_dtype!r}.")
+        if head_size > 256:
+            raise ValueError(f"TRITON_ATTN supports head_size <= 256, got {head_size}; use TORCH_SDPA.")
+        if self.alibi_slopes is not None and self.alibi_slopes.shape != (num_heads,):
+            raise ValueError(
+                f"alibi_slopes must have num_heads = {num_heads} entries, got {tuple(self.alibi_slopes.shape)}."
+            )
+        self._alibi_cache: dict[torch.device, torch.Tensor] = {}
+
+    def _alibi(self, device: torch.device) -> torch.Tensor | None:
+        if self.alibi_slopes is None:
+            return None
+        if device not in self._alibi_cache:  # copied once (first, eager forward), not per step
+            self._alibi_cache[device] = self.alibi_slopes.to(device=device, dtype=torch.float32)
+        return self._alibi_cache[device]
+
+    def fused_output_quant_supported(self, quant_key: Any) -> bool:
+        """Static per-tensor fp8 output (``output_scale``) is written by the kernel itself."""
+        return _is_static_per_tensor_fp8(quant_key)
+
+    def forward(
+        self,
+        layer: "Attention",
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See ``AttentionImpl.forward``. Device work only (no host syncs): CUDA-graph safe."""
+        if output is None:
+            raise ValueError("TritonAttentionImpl.forward: output must be a (T, H, D) buffer (accept_output_buffer).")
+        if attn_metadata is None:
+            return output
+        if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size):
+            raise ValueError(
+                f"query must be (T, num_heads={self.num_heads}, head_size={self.head_size}), got {tuple(query.shape)}."
+            )
+        if (output_scale is not None) != (output.dtype in _FP8):
+            raise ValueError(
+                f"output dtype {output.dtype} and output_scale ({'given' if output_scale is not None else 'None'}) "
+                "disagree: fp8 output needs output_scale, other dtypes take none."
+            )
+        from vattn.ops.kv_store import store_kv
+        from vattn.ops.triton_unified_attention import unified_attention
+
+        md = attn_metadata
+        key_cache, value_cache = kv_cache.unbind(0)
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            store_kv(key, value, key_cache, value_cache, md.slot_mapping,
+                     self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+        config = md.config
+        if config.num_splits > 1 and query.shape[0] > md.num_tokens:
+            # More query rows than the batch was planned for (cross-attention): no split scratch for them.
+            config = dataclasses.replace(config, num_splits=1)
+        causal = md.causal and self.attn_type == AttentionType.DECODER
+        window = None
+        if self.sliding_window is not None and self.attn_type == AttentionType.DECODER:
+            window = (self.sliding_window[0], 0 if causal else -1)
+        unified_attention(
+            query, key_cache, value_cache, output,
+            cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, block_table=md.block_table,
+            max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len,
+            softmax_scale=self.scale, causal=causal, window=window,
+            softcap=self.logits_soft_cap or 0.0, alibi_slopes=self._alibi(query.device),
+            sinks=self.sinks,
+            q_scale=layer._q_scale if query.dtype in _FP8 else None,
+            k_scale=layer._k_scale, v_scale=layer._v_scale, output_scale=output_scale,
+            config=config, partial_out=md.partial_out, partial_lse=md.partial_lse,
+        )
+        return output
