@@ -92,8 +92,11 @@ class BlockAllocator:
         return blocks
 
     def free(self, blocks: list[int], owner: int) -> None:
+        """Return ``blocks`` (all owned by ``owner``) to the free list."""
         for b in blocks:
-            assert self._owner.pop(b, None) == owner, f"request {owner} frees block {b} it does not own"
+            assert self._owner.get(b) == owner, f"request {owner} frees block {b} it does not own"
+        for b in blocks:
+            del self._owner[b]
             self._free.append(b)
 
     def check(self, requests: list[Request]) -> None:
@@ -110,6 +113,9 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, block_size: int, *, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 64, chunked_prefill: bool = True) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
+                             f"({max_num_seqs}) must be at least 1.")
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -126,6 +132,13 @@ class Scheduler:
                 f"request {req.req_id} needs {need} KV blocks (prompt {len(req.prompt_token_ids)} + "
                 f"max_tokens {req.sampling.max_tokens}) but the cache has {self.allocator.num_blocks}; "
                 "allocate more blocks or shorten the request.")
+        total = len(req.prompt_token_ids) + req.sampling.max_tokens
+        if not self.chunked_prefill and total > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {req.req_id} has up to {total} tokens to (re)compute but chunked_prefill=False and "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}; raise the budget or enable chunked prefill.")
+        if not req.prompt_token_ids or req.sampling.max_tokens < 1:
+            raise ValueError(f"request {req.req_id}: the prompt must be non-empty and max_tokens >= 1.")
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -231,7 +244,11 @@ class Engine:
         model: ``examples.model.DecoderForCausalLM`` (or anything with ``forward(ids, pos)``
             and ``compute_logits``), built under ``vattn_config``.
         kv: the ``vattn.PagedKVCache`` bound to the model's layers.
-        forward_fn: what runs ``model.forward`` (a compiled module, a CUDA-graph runner); default: model.
+        forward_fn: what runs ``model.forward`` inside ``vattn.set_forward_context`` (e.g. a
+            compiled model); default: the model.
+        graph_runner: a ``vattn.CUDAGraphRunner`` (``runner(input_ids, positions, common)``); when
+            given it replaces ``forward_fn``: it pads the batch, builds the metadata and sets the
+            forward context itself.
         pad_tokens_to: pad each step's token count up to a multiple of this (padding has slot -1).
         min_tokens: pad each step to at least this many tokens (2 avoids Dynamo's size-1 specialisation).
         record_logits: keep every sampled row of logits (on CPU) in ``self.logits[req_id]`` (tests).
@@ -240,11 +257,15 @@ class Engine:
     def __init__(self, model: torch.nn.Module, vattn_config: vattn.VattnConfig, kv: "vattn.PagedKVCache", *,
                  device: torch.device | str, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  chunked_prefill: bool = True, forward_fn: Callable[..., torch.Tensor] | None = None,
-                 pad_tokens_to: int = 1, min_tokens: int = 1, seed: int = 0, record_logits: bool = False,
+                 graph_runner: Callable[..., torch.Tensor] | None = None, pad_tokens_to: int = 1,
+                 min_tokens: int = 1, seed: int = 0, record_logits: bool = False,
                  check_invariants: bool = False) -> None:
         self.model, self.cfg, self.kv = model, vattn_config, kv
         self.device = torch.device(device)
         self.forward_fn = forward_fn if forward_fn is not None else model
+        self.graph_runner = graph_runner
+        if graph_runner is not None and (pad_tokens_to != 1 or min_tokens != 1):
+            raise ValueError("with graph_runner, leave pad_tokens_to and min_tokens at 1: the runner pads.")
         self.block_size = kv.block_size
         self.allocator = BlockAllocator(kv.num_blocks)
         self.scheduler = Scheduler(self.allocator, self.block_size, max_num_batched_tokens=max_num_batched_tokens,
@@ -264,8 +285,9 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, object, list[int]]:
-        """Host-side inputs for one step: (input_ids (T_pad,), positions (T_pad,), metadata, logit rows)."""
+    def _prepare(self, scheduled: list[tuple[Request, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, vattn.CommonAttentionMetadata, list[int]]:
+        """Host-side inputs for one step: (input_ids (T_pad,), positions (T_pad,), common metadata, logit rows)."""
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
@@ -285,7 +307,7 @@ class Engine:
         pad = [0] * (t_pad - t)
         input_ids = torch.tensor(ids + pad, dtype=torch.long).to(self.device, non_blocking=True)
         positions = torch.tensor(pos + pad, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, positions, self.kv.build_metadata(common), rows
+        return input_ids, positions, common, rows
 
     @torch.inference_mode()
     def step(self) -> StepStats:
@@ -300,10 +322,13 @@ class Engine:
             return StepStats(0, 0, 0, 0.0)
         # A decode computes one generated token; everything else is (chunked) prefill or recompute.
         decode = sum(1 for r, n in scheduled if n == 1 and r.num_computed_tokens >= len(r.prompt_token_ids))
-        input_ids, positions, md, rows = self._prepare(scheduled)
-        with vattn.set_forward_context(md, self.cfg):
-            hidden = self.forward_fn(input_ids, positions)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        input_ids, positions, common, rows = self._prepare(scheduled)
+        if self.graph_runner is not None:
+            hidden = self.graph_runner(input_ids, positions, common)
+        else:
+            with vattn.set_forward_context(self.kv.build_metadata(common), self.cfg):
+                hidden = self.forward_fn(input_ids, positions)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
         samplers = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
         temp = top_p = None
         if any(r.sampling.temperature > 0 for r in samplers):

@@ -35,21 +35,28 @@ from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def compile_model(model: torch.nn.Module, cfg: vattn.VattnConfig) -> Callable[..., torch.Tensor]:
-    """The compiled forward. Swap this one line for ``vattn.compile(model, cfg)`` once it lands."""
-    return torch.compile(model, fullgraph=True, dynamic=True)
+def compile_model(model: torch.nn.Module, cfg: vattn.VattnConfig,
+                  backend: str = "vattn") -> Callable[..., torch.Tensor]:
+    """The compiled forward: ``vattn.compile`` (split at attention, Inductor per piece), or
+    ``torch.compile(fullgraph=True, dynamic=True)`` with the named torch backend."""
+    if backend == "vattn":
+        return vattn.compile(model, cfg)
+    return torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
 
 
-def make_cudagraph_runner(forward_fn: Callable[..., torch.Tensor], cfg: vattn.VattnConfig,
-                          max_batch_size: int) -> Callable[..., torch.Tensor] | None:
-    """``vattn.CUDAGraphRunner`` around ``forward_fn``, or None (with a message) where it is unavailable."""
+def make_cudagraph_runner(forward_fn: Callable[..., torch.Tensor], cfg: vattn.VattnConfig, kv: Any,
+                          max_batch_size: int, max_model_len: int, show_progress: bool = True) -> Any | None:
+    """A ``vattn.CUDAGraphRunner`` (full graphs for decodes, piecewise for the rest where the model
+    is ``vattn.compile``d), or None with a message where this vattn has none."""
     try:
         runner_cls = vattn.CUDAGraphRunner
     except (ImportError, AttributeError) as e:
-        print(f"--cudagraph: vattn.CUDAGraphRunner is not available in this vattn ({e}); "
-              "running without CUDA graphs.", file=sys.stderr)
+        print(f"--cudagraph: vattn.CUDAGraphRunner is not available ({e}); running without CUDA graphs.",
+              file=sys.stderr)
         return None
-    return runner_cls(forward_fn, cfg, max_batch_size=max_batch_size)
+    # The runner downgrades what the backends / model cannot serve and logs why (runner.downgrade_reasons).
+    return runner_cls(forward_fn, cfg, kv, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                      mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE, show_progress=show_progress)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="force a vattn attention backend by name (TORCH_SDPA, TRITON_ATTN, FLASH_ATTN, FLASHINFER)")
     p.add_argument("--kv-cache-dtype", default="auto", help="CacheConfig.cache_dtype (auto, fp8, ...)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph, dynamic)")
+    p.add_argument("--compile-backend", default="vattn",
+                   help="vattn = vattn.compile; inductor / aot_eager / eager = torch.compile(fullgraph, dynamic)")
     p.add_argument("--cudagraph", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (prompts are in [len/2, len])")
@@ -78,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
     on_cuda = torch.device(args.device).type == "cuda"
@@ -126,26 +136,31 @@ def build(args: argparse.Namespace) -> tuple[DecoderForCausalLM, vattn.VattnConf
     return model, cfg, kv
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the generation; returns the measured figures (also printed)."""
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the generation; returns the measured figures (also printed) and ``outputs`` (token ids per request)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, cfg, kv = build(args)
     backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
     forward_fn: Callable[..., torch.Tensor] = model
     min_tokens = 1
     if args.compile:
-        forward_fn, min_tokens = compile_model(model, cfg), 2  # 2: no size-1 specialisation
+        forward_fn = compile_model(model, cfg, args.compile_backend)
+        # torch.compile(dynamic=True) specialises a size-1 token dim: pad 1-token steps to 2.
+        min_tokens = 1 if args.compile_backend == "vattn" else 2
+    runner = None
     if args.cudagraph:
-        if torch.device(args.device).type != "cuda":
-            print("--cudagraph needs --device cuda; running without CUDA graphs.", file=sys.stderr)
-        else:
-            forward_fn = make_cudagraph_runner(forward_fn, cfg, args.max_num_seqs) or forward_fn
+        runner = make_cudagraph_runner(forward_fn, cfg, kv, args.max_num_seqs, args.prompt_len + args.output_len,
+                                       not args.no_progress)
+        min_tokens = 1  # the runner pads
 
     def new_engine() -> Engine:
         return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_num_seqs=args.max_num_seqs, forward_fn=forward_fn, min_tokens=min_tokens, seed=args.seed)
+                      max_num_seqs=args.max_num_seqs, forward_fn=forward_fn, graph_runner=runner,
+                      min_tokens=min_tokens, seed=args.seed)
 
     warmup_s = 0.0
     if args.compile or args.cudagraph:  # compile (and capture) outside the measured run
@@ -170,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     decode_tok = sum(s.num_decode_tokens for s in stats)
     prefill_s = sum(s.seconds for s in prefill_steps)
     decode_s = sum(s.seconds for s in decode_steps)
-    result = {
+    result: dict[str, Any] = {
         "steps": float(len(stats)),
         "prefill_tokens": float(prefill_tok),
         "decode_tokens": float(decode_tok),
@@ -181,9 +196,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "wall_s": wall,
         "warmup_s": warmup_s,
         "preemptions": float(sum(r.num_preemptions for r in requests)),
+        "cudagraph_mode": runner.mode.name if runner is not None else "off",
+        "outputs": [r.output_token_ids for r in requests],
     }
     print(f"model {args.preset} ({args.dtype}, {args.device}), backend {backend}, compile={args.compile}, "
-          f"cudagraph={args.cudagraph}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
+          f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
           + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))
     print(f"prefill: {prefill_tok} tokens, {result['prefill_tok_s']:.1f} tok/s | decode: {decode_tok} tokens, "
           f"{result['decode_tok_s']:.1f} tok/s, {result['ms_per_decode_step']:.2f} ms/step (decode-only steps)")

@@ -15,14 +15,17 @@ import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from attn_harness import (
     BatchSpec,
     RandomBatch,
     assert_close,
+    batch_specs,
     check_cache_untouched,
     check_cache_written,
     make_random_batch,
+    reference_attention,
 )
 from vattn.backends import flashinfer as fi_mod
 from vattn.backends.abstract import AttentionCGSupport
@@ -68,6 +71,17 @@ def test_unavailable_without_gpu_and_selection_skips_it(monkeypatch: pytest.Monk
         with pytest.raises(ValueError, match="FLASHINFER.*CUDA"):
             selector.get_attn_backend(128, torch.bfloat16, "auto", 16)
     selector._cached_get_attn_backend.cache_clear()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_layer_overhead_benchmark_refuses_to_run_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import bench_layer_overhead
+
+    assert bench_layer_overhead.main(["--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -118,15 +132,14 @@ def test_paged_layout_and_page_gather() -> None:
 
 
 def _layers(cfg: VattnConfig, windows: list[int | None], caps: list[float | None]) -> list[str]:
-    import vattn
-
+    """Stand-ins for vattn.Attention layers (what the builder reads: impl, dtype, kv_cache)."""
     names = []
-    with set_current_vattn_config(cfg):
-        for i, (w, c) in enumerate(zip(windows, caps)):
-            name = f"model.layers.{i}.attn"
-            vattn.Attention(8, 64, 0.125, num_kv_heads=2, prefix=name, attn_backend=FlashInferBackend,
-                            per_layer_sliding_window=w, logits_soft_cap=c)
-            names.append(name)
+    for i, (w, c) in enumerate(zip(windows, caps)):
+        name = f"model.layers.{i}.attn"
+        impl = FlashInferImpl(8, 64, 0.125, 2, sliding_window=w, logits_soft_cap=c)
+        cfg.compilation.static_forward_context[name] = types.SimpleNamespace(
+            impl=impl, dtype=torch.bfloat16, kv_cache=[torch.tensor([])])
+        names.append(name)
     return names
 
 
@@ -148,7 +161,94 @@ def test_impl_refuses_what_flashinfer_cannot_do(kwargs: dict) -> None:
         FlashInferImpl(8, 64, 0.125, 2, **kwargs)
 
 
-# ---- GPU ------------------------------------------------------------------------------------
+# ---- a torch stand-in for FlashInfer (CPU): the builder's plans and the impl's runs ------------
+
+
+class _FakeWrapper:
+    """FlashInfer's paged-wrapper contract in torch: ``plan`` records the CSR page layout (into
+    the caller's buffers in CUDA-graph mode), ``run`` attends over exactly what the buffers say."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
+        self.layout, self.graph = kv_layout, use_cuda_graph
+        self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.qo_indptr: torch.Tensor | None = None
+        self.causal = True
+        self.fast_plans = 0
+
+    def _layout(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, kw: dict, copy: bool) -> None:
+        assert indptr.device.type == "cpu" and last.device.type == "cpu", "plan wants host indptr / last_page_len"
+        assert int(indptr[-1]) == indices.numel()
+        self.kw = kw
+        if self.graph:
+            ip, ix, lp = self.bufs
+            assert ip.numel() == indptr.numel() and lp.numel() == last.numel(), "CUDA-graph batch size is fixed"
+            if copy:
+                ip.copy_(indptr), ix[: indices.numel()].copy_(indices), lp.copy_(last)
+            self.indptr, self.indices, self.last = ip, ix, lp
+        else:
+            self.indptr, self.indices, self.last = indptr.clone(), indices.clone(), last.clone()
+
+    def run(self, q: torch.Tensor, paged: torch.Tensor, k_scale: float | None = None,
+            v_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        kc, vc = paged[:, 0], paged[:, 1]
+        if self.layout == "HND":
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+        ps, hk, d = kc.shape[1:]
+        indptr, indices, last = self.indptr.cpu(), self.indices.cpu().long(), self.last.cpu()
+        b = indptr.numel() - 1
+        qo = self.qo_indptr if self.qo_indptr is not None else torch.arange(b + 1)
+        assert out is not None and out.shape == q.shape and q.shape[0] == int(qo[-1])
+        keys, values = [], []
+        for r in range(b):
+            pages = indices[indptr[r] : indptr[r + 1]]
+            n = (pages.numel() - 1) * ps + int(last[r]) if pages.numel() else 0
+            keys.append(kc[pages].reshape(-1, hk, d)[:n].float() * (k_scale or 1.0))
+            values.append(vc[pages].reshape(-1, hk, d)[:n].float() * (v_scale or 1.0))
+        wl, cap = self.kw["window_left"], self.kw["logits_soft_cap"]
+        res = reference_attention(q, keys, values, (qo[1:] - qo[:-1]).tolist(), scale=self.kw["sm_scale"],
+                                  causal=self.causal, sliding_window=wl + 1 if wl >= 0 else None,
+                                  logits_soft_cap=cap)
+        out.copy_(res.to(out.dtype))
+        return out
+
+
+class _FakeDecode(_FakeWrapper):
+    def plan(self, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):  # type: ignore[no-untyped-def]
+        self._layout(indptr, indices, last, kw, copy=True)
+
+
+class _FakePrefill(_FakeWrapper):
+    def plan(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,  # type: ignore[no-untyped-def]
+             causal=False, **kw):
+        self.qo_indptr, self.causal = qo_indptr.clone(), causal
+        self._layout(indptr, indices, last, kw, copy=True)
+
+
+def _fast_decode_plan(w, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,  # type: ignore[no-untyped-def]
+                      pos_encoding_mode="NONE", global_override_indptr_cpu=None, **kw):
+    """Like FlashInfer's: no copies, the persistent buffers must already hold the batch."""
+    assert w.graph and torch.equal(global_override_indptr_cpu, indptr)
+    w._layout(indptr, indices, last, kw, copy=False)
+    w.fast_plans += 1
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = types.ModuleType("flashinfer")
+    mod.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode  # type: ignore[attr-defined]
+    mod.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill  # type: ignore[attr-defined]
+    dec = types.ModuleType("flashinfer.decode")
+    dec.fast_decode_plan = _fast_decode_plan  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", dec)
+    monkeypatch.setattr(fi_mod, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(fi_mod, "_workspaces", {})
+
+
+# ---- shared by the CPU stand-in tests and the GPU tests ----------------------------------------
 
 
 def _fi_cache(src: torch.Tensor, layout: str) -> torch.Tensor:
@@ -176,6 +276,11 @@ def _setup(spec: BatchSpec, cache: torch.Tensor, cfg: VattnConfig | None = None,
     return impl, builder
 
 
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize()
+
+
 def _check(batch: RandomBatch, *, factor: float = 2.0, **features: object) -> None:
     spec = batch.spec
     cache = _fi_cache(batch.kv_cache, spec.layout)
@@ -184,11 +289,86 @@ def _check(batch: RandomBatch, *, factor: float = 2.0, **features: object) -> No
     before = cache.transpose(0, 1).clone()
     out = torch.zeros_like(batch.query)
     assert impl.forward(batch.layer, batch.query, batch.key, batch.value, cache, md, output=out) is out  # type: ignore[arg-type]
-    torch.cuda.synchronize()
+    _sync(out)
     ref = batch.reference(scale=impl.scale, **features)
     assert_close(out[: batch.num_actual_tokens], ref, spec.dtype, factor=factor)
     check_cache_untouched(before, cache.transpose(0, 1), batch.common.slot_mapping)
     check_cache_written(batch, kv_cache=cache.transpose(0, 1))
+
+
+def _spec(case: dict, device: str) -> BatchSpec:
+    return BatchSpec(**{"num_heads": 16, "num_kv_heads": 4, "head_size": 128, "dtype": torch.bfloat16,
+                        "device": device, **case})
+
+
+def _decode_common(spec_kwargs: dict, size: int, seed: int, num_blocks: int = 600):
+    """A random pure-decode batch of at most ``size`` requests over a pool of ``num_blocks``
+    blocks, with its metadata padded to ``size`` tokens and requests."""
+    from vattn.kv_cache import build_common_attn_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, size + 1, (1,), generator=g))
+    ctx = tuple(int(c) for c in torch.randint(0, 200, (n,), generator=g))
+    bs = spec_kwargs.get("block_size", 16)
+    extra = num_blocks - sum(-(-(c + 1) // bs) for c in ctx)
+    batch = make_random_batch(BatchSpec(context_lens=ctx, query_lens=(1,) * n, extra_blocks=extra, **spec_kwargs),
+                              seed=seed)
+    common = build_common_attn_metadata([1] * n, list(ctx), batch.block_tables, bs, device=spec_kwargs["device"],
+                                        num_tokens_padded=size, num_reqs_padded=size,
+                                        max_blocks_per_req=batch.common.block_table_tensor.shape[1])
+    return batch, common
+
+
+def _graph_replays(layout: str, device: str, sizes: tuple[int, ...], head_size: int = 128, num_blocks: int = 600) -> None:
+    """Per size: build the capture metadata, (on CUDA) capture the forward, then run two new
+    batches of that size through the same wrapper and buffers and compare with an eager build."""
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, dtype=torch.bfloat16, device=device, layout=layout)
+    for size in sizes:
+        batch0, common0 = _decode_common(kw, size, seed=size, num_blocks=num_blocks)
+        spec = batch0.spec
+        cache = _fi_cache(batch0.kv_cache, layout)
+        cfg = VattnConfig(compilation=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
+                                                        cudagraph_capture_sizes=sizes))
+        impl, builder = _setup(spec, cache, cfg)
+        q = torch.zeros(size, spec.num_heads, spec.head_size, dtype=spec.dtype, device=device)
+        k = torch.zeros(size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=device)
+        v, out = torch.zeros_like(k), torch.zeros_like(q)
+        md = builder.build_for_cudagraph_capture(common0)
+        assert md.use_cuda_graph and md.decode_rows == size
+
+        def step() -> None:
+            impl.forward(batch0.layer, q, k, v, cache, md, output=out)  # type: ignore[arg-type]
+
+        graph = None
+        if device == "cuda":
+            for _ in range(2):  # warm-up (JIT) outside the capture
+                step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        for seed in (100 + size, 200 + size):  # two replays: the second re-plans without copies
+            batch, common = _decode_common(kw, size, seed=seed, num_blocks=num_blocks)
+            cache.copy_(_fi_cache(batch.kv_cache, layout))
+            md2 = builder.build(0, common)
+            assert md2.decode_wrapper is md.decode_wrapper and md2.use_cuda_graph
+            n = batch.num_actual_tokens
+            pad = (0, 0, 0, 0, 0, size - n)
+            q.copy_(torch.nn.functional.pad(batch.query, pad))
+            k.copy_(torch.nn.functional.pad(batch.key, pad))
+            v.copy_(torch.nn.functional.pad(batch.value, pad))
+            graph.replay() if graph is not None else step()
+            _sync(out)
+            eager_cache = _fi_cache(batch.kv_cache, layout)
+            eager_impl, eager_builder = _setup(spec, eager_cache)  # no CUDA graphs configured
+            eager_md = eager_builder.build(0, batch.common)
+            assert not eager_md.use_cuda_graph
+            eager_out = torch.zeros_like(batch.query)
+            eager_impl.forward(batch.layer, batch.query, batch.key, batch.value, eager_cache, eager_md,  # type: ignore[arg-type]
+                               output=eager_out)
+            _sync(eager_out)
+            assert_close(out[:n], eager_out[:n].float(), spec.dtype)
+            assert_close(out[:n], batch.reference(scale=impl.scale), spec.dtype, factor=2.0)
+            torch.testing.assert_close(cache, eager_cache, atol=0, rtol=0)
 
 
 MIXED = dict(context_lens=(0, 37, 100, 5, 64, 0), query_lens=(1, 1, 1, 1, 23, 40))
@@ -210,89 +390,65 @@ CASES = [
     pytest.param(dict(**MIXED, head_size=256), id="mixed-d256", marks=_slow),
     pytest.param(dict(**MIXED, dtype=torch.float16), id="mixed-fp16", marks=_slow),
 ]
+FEATURES = [pytest.param(dict(sliding_window=24), id="window"), pytest.param(dict(logits_soft_cap=8.0), id="softcap")]
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 3, 4, 7)])
+def test_plans_with_a_torch_stand_in(fake_flashinfer: None, case: dict) -> None:
+    """CPU: the builder's CSR layouts, row ranges, scales and the impl's calls describe the batch."""
+    _check(make_random_batch(_spec({**case, "head_size": 32}, "cpu"), seed=1), factor=3.0)
+
+
+@pytest.mark.parametrize("features", FEATURES)
+def test_window_and_soft_cap_with_a_torch_stand_in(fake_flashinfer: None, features: dict) -> None:
+    _check(make_random_batch(_spec({**MIXED, "head_size": 32}, "cpu"), seed=2), **features)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=batch_specs(max_reqs=6, head_sizes=(32,), dtypes=(torch.bfloat16,), kv_cache_dtypes=("auto", "fp8")))
+def test_fuzz_with_a_torch_stand_in(fake_flashinfer: None, spec: BatchSpec) -> None:
+    _check(make_random_batch(spec, seed=0), factor=3.0)
+
+
+def test_graph_path_with_a_torch_stand_in(fake_flashinfer: None) -> None:
+    """CPU: persistent buffers, changed-only copies and fast re-plans give the eager result."""
+    _graph_replays("HND", "cpu", (1, 4, 8), head_size=32, num_blocks=120)
+
+
+# ---- GPU ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.cuda
 @pytest.mark.flashinfer
 def test_matches_reference(case: dict) -> None:
-    spec = BatchSpec(**{"num_heads": 16, "num_kv_heads": 4, "head_size": 128, "dtype": torch.bfloat16,
-                        "device": "cuda", **case})
+    spec = _spec(case, "cuda")
     _check(make_random_batch(spec, seed=1), factor=3.0 if "fp8" in spec.kv_cache_dtype else 2.0)
 
 
-@pytest.mark.parametrize("features", [dict(sliding_window=24), dict(logits_soft_cap=8.0)],
-                         ids=["window", "softcap"])
+@pytest.mark.cuda
+@pytest.mark.flashinfer
+@settings(max_examples=30, deadline=None)
+@given(spec=batch_specs(device="cuda", head_sizes=(128,), dtypes=(torch.bfloat16,), kv_cache_dtypes=("auto", "fp8"),
+                        block_sizes=(1, 16, 32, 64)))
+def test_fuzz(spec: BatchSpec) -> None:
+    """Random mixed batches (GQA 1-8, NHD/HND, padding) on the JIT modules the default set builds."""
+    _check(make_random_batch(spec, seed=0), factor=3.0)
+
+
+@pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.flashinfer
 def test_window_and_soft_cap(features: dict) -> None:
-    spec = BatchSpec(**MIXED, num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16, device="cuda")
-    _check(make_random_batch(spec, seed=2), **features)
-
-
-def _decode_common(spec_kwargs: dict, size: int, seed: int):
-    """A random pure-decode batch of fewer than ``size`` requests, padded to ``size`` tokens and requests."""
-    from vattn.kv_cache import build_common_attn_metadata
-
-    g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(1, size + 1, (1,), generator=g))
-    ctx = tuple(int(c) for c in torch.randint(0, 200, (n,), generator=g))
-    batch = make_random_batch(BatchSpec(context_lens=ctx, query_lens=(1,) * n, **spec_kwargs), seed=seed)
-    common = build_common_attn_metadata([1] * n, list(ctx), batch.block_tables, batch.spec.block_size,
-                                        device="cuda", num_tokens_padded=size, num_reqs_padded=size,
-                                        max_blocks_per_req=batch.common.block_table_tensor.shape[1])
-    return batch, common
+    _check(make_random_batch(_spec(MIXED, "cuda"), seed=2), **features)
 
 
 @pytest.mark.parametrize("layout", ["NHD", pytest.param("HND", marks=_slow)])
 @pytest.mark.cuda
 @pytest.mark.flashinfer
 def test_cuda_graph_replay_equals_eager_at_every_size(layout: str) -> None:
-    sizes = (1, 2, 4, 8, 16, 32)
-    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16, device="cuda", layout=layout,
-              extra_blocks=40)
-    for size in sizes:
-        batch0, common0 = _decode_common(kw, size, seed=size)
-        spec = batch0.spec
-        cache = _fi_cache(batch0.kv_cache, layout)
-        cfg = VattnConfig(compilation=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                                                        cudagraph_capture_sizes=sizes))
-        impl, builder = _setup(spec, cache, cfg)
-        q = torch.zeros(size, spec.num_heads, spec.head_size, dtype=spec.dtype, device="cuda")
-        k = torch.zeros(size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device="cuda")
-        v, out = torch.zeros_like(k), torch.zeros_like(q)
-        slots = common0.slot_mapping  # the persistent slot buffer the graph reads
-        md = builder.build_for_cudagraph_capture(common0)
-        assert md.use_cuda_graph and md.decode_rows == size
-        for _ in range(2):  # warm-up (JIT) outside the capture
-            impl.forward(batch0.layer, q, k, v, cache, md, output=out)  # type: ignore[arg-type]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            impl.forward(batch0.layer, q, k, v, cache, md, output=out)  # type: ignore[arg-type]
-        for seed in (100 + size, 200 + size):  # two replays: the second re-plans without copies
-            batch, common = _decode_common(kw, size, seed=seed)
-            fresh = _fi_cache(batch.kv_cache, layout)
-            cache.copy_(fresh)
-            slots.copy_(common.slot_mapping)
-            common.slot_mapping = slots
-            md2 = builder.build(0, common)
-            assert md2.decode_wrapper is md.decode_wrapper and md2.use_cuda_graph
-            n = batch.num_actual_tokens
-            q.copy_(torch.nn.functional.pad(batch.query, (0, 0, 0, 0, 0, size - n)))
-            k.copy_(torch.nn.functional.pad(batch.key, (0, 0, 0, 0, 0, size - n)))
-            v.copy_(torch.nn.functional.pad(batch.value, (0, 0, 0, 0, 0, size - n)))
-            graph.replay()
-            torch.cuda.synchronize()
-            eager_cache = _fi_cache(batch.kv_cache, layout)
-            eager_impl, eager_builder = _setup(spec, eager_cache)  # no CUDA graphs configured
-            eager_out = torch.zeros_like(batch.query)
-            eager_impl.forward(batch.layer, batch.query, batch.key, batch.value, eager_cache,  # type: ignore[arg-type]
-                               eager_builder.build(0, batch.common), output=eager_out)
-            torch.cuda.synchronize()
-            assert_close(out[:n], eager_out[:n].float(), spec.dtype)
-            assert_close(out[:n], batch.reference(scale=impl.scale), spec.dtype, factor=2.0)
-            torch.testing.assert_close(cache, eager_cache, atol=0, rtol=0)
+    _graph_replays(layout, "cuda", (1, 2, 4, 8, 16, 32))
 
 
 @pytest.mark.cuda
@@ -304,14 +460,13 @@ def test_layer_end_to_end_through_the_custom_op() -> None:
     outs = {}
     for backend in ("FLASHINFER", "TORCH_SDPA"):
         cfg = VattnConfig(cache=CacheConfig(block_size=16))
-        torch.manual_seed(0)
-        with set_current_vattn_config(cfg), torch.device("cuda"):
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with set_current_vattn_config(cfg), torch.device("cuda"):
                 layer = vattn.Attention(16, 128, 128**-0.5, num_kv_heads=4, prefix="l0.attn", attn_backend=backend)
-            finally:
-                torch.set_default_dtype(prev)
+        finally:
+            torch.set_default_dtype(prev)
         kv = vattn.allocate_kv_cache(cfg, num_blocks=64, device="cuda", dtype=torch.bfloat16)
         steps = [([5, 9], [0, 0], [[3, 7], [1]]), ([1, 1], [5, 9], [[3, 7], [1]]), ([1, 20], [6, 10], [[3, 7], [1, 2]])]
         res = []
@@ -319,9 +474,7 @@ def test_layer_end_to_end_through_the_custom_op() -> None:
             common = vattn.build_common_attn_metadata(qlens, computed, tables, 16, device="cuda")
             t = sum(qlens)
             g = torch.Generator(device="cuda").manual_seed(t)
-            q = torch.randn(t, 16 * 128, device="cuda", generator=g).bfloat16()
-            k = torch.randn(t, 4 * 128, device="cuda", generator=g).bfloat16()
-            v = torch.randn(t, 4 * 128, device="cuda", generator=g).bfloat16()
+            q, k, v = (torch.randn(t, h * 128, device="cuda", generator=g).to(torch.bfloat16) for h in (16, 4, 4))
             with vattn.set_forward_context(kv.build_metadata(common), cfg):
                 res.append(layer(q, k, v).float())
         outs[backend] = torch.cat(res)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -24,6 +24,16 @@ from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights 
 
 transformers = pytest.importorskip("transformers")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread() -> Iterator[None]:
+    """Tiny shapes: one intra-op thread is as fast, and on a loaded 2-core box (xdist) many times faster."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 VOCAB = 512
 # (prompt length, arrival step): chunked prefills (budget 24) overlap with decodes of earlier requests.
 PROMPTS = [(5, 0), (40, 0), (17, 3), (1, 5), (60, 9)]
@@ -34,7 +44,7 @@ CONFIGS: dict[str, ModelConfig] = {
     # Llama GQA with Llama-3 RoPE scaling whose original context (64) is shorter than the sequences.
     "llama-gqa": ModelConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rope_theta=10000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64}),
     # Llama MHA with q/k/v/o and MLP biases.
@@ -118,8 +128,14 @@ def test_logits_match_transformers_float32(name: str) -> None:
         assert req.output_token_ids == ref.argmax(-1).tolist()
 
 
-def test_compiled_same_tokens_no_recompiles() -> None:
-    """torch.compile(fullgraph=True, dynamic=True): one graph for every batch composition, same tokens."""
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow),
+                                     pytest.param("vattn", marks=pytest.mark.slow)])
+def test_compiled_same_tokens_no_recompiles(backend: str) -> None:
+    """torch.compile(fullgraph=True, dynamic=True): one graph for every batch composition, same tokens.
+
+    Recompiles are Dynamo's business, so aot_eager (functionalization included) shows them in a few
+    seconds; Inductor and ``vattn.compile`` (each about a minute of C++ compiles on a CPU box) are slow.
+    """
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -130,7 +146,10 @@ def test_compiled_same_tokens_no_recompiles() -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    if backend == "vattn":
+        compiled = vattn.compile(model, cfg)
+    else:
+        compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, forward_fn=compiled,
                     min_tokens=2, record_logits=True)
     engine.add_request(list(range(8)), SamplingParams(max_tokens=2))  # warm-up: one prefill, one decode
@@ -146,25 +165,74 @@ def test_compiled_same_tokens_no_recompiles() -> None:
                                    atol=1e-4, rtol=0)
 
 
+def assert_bf16_close(got: torch.Tensor, ref: torch.Tensor, tokens: list[int], what: str) -> None:
+    """(N, V) logits within bf16 tolerance; greedy tokens equal wherever ``ref`` is not a near-tie."""
+    diff = (got - ref).abs()
+    assert diff.max() < 0.1 and diff.mean() < 0.02, f"{what}: max {diff.max():.4f}, mean {diff.mean():.4f}"
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    same = ref.argmax(-1) == torch.tensor(tokens)
+    assert bool(same[clear].all()), f"{what}: tokens differ at {(~same & clear).nonzero().flatten().tolist()}"
+
+
+def cuda_block_size(backend: str | None) -> int:
+    """16, or the first block size the forced backend supports."""
+    if backend is None:
+        return 16
+    enum = vattn.backend_name_to_enum(backend)
+    assert enum is not None
+    sizes = enum.get_class().get_supported_block_sizes()
+    return 16 if not sizes or 16 in sizes else sizes[0]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-mha"])
-@pytest.mark.parametrize("backend", [None, "TRITON_ATTN"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-gqa"])
+@pytest.mark.parametrize("backend", [
+    None, "TRITON_ATTN", "TORCH_SDPA",
+    pytest.param("FLASH_ATTN", marks=pytest.mark.flash_attn),
+    pytest.param("FLASHINFER", marks=pytest.mark.flashinfer),
+])
 def test_logits_match_transformers_bf16_cuda(name: str, backend: str | None) -> None:
     """bf16 on the GPU: the same greedy tokens (except near-ties) and logits within bf16 tolerance."""
     hf = make_hf(CONFIGS[name], dtype=torch.bfloat16, device="cuda")
     with vattn.global_force_attn_backend_context_manager(backend):
-        model, cfg, kv = make_vattn(hf, dtype=torch.bfloat16, device="cuda")
+        model, cfg, kv = make_vattn(hf, dtype=torch.bfloat16, device="cuda", block_size=cuda_block_size(backend))
     engine = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, record_logits=True)
     reqs, _ = run_engine(engine)
     for req in reqs:
         ref = hf_logits(hf, req, device="cuda")
-        got = torch.stack(engine.logits[req.req_id])
-        diff = (got - ref).abs()
-        assert diff.max() < 0.1 and diff.mean() < 0.02, (req.req_id, diff.max(), diff.mean())
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.1  # positions that are not bf16 near-ties
-        same = ref.argmax(-1) == torch.tensor(req.output_token_ids)
-        assert bool(same[clear].all()), f"request {req.req_id}: tokens differ at {(~same).nonzero().flatten()}"
+        assert_bf16_close(torch.stack(engine.logits[req.req_id]), ref, req.output_token_ids,
+                          f"{name}/{backend} request {req.req_id}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_cudagraph_engine_matches_eager_cuda(compile_model: bool) -> None:
+    """The engine through vattn.CUDAGraphRunner (full decode graphs; piecewise when vattn.compile'd)
+    gives the eager engine's tokens and logits (bf16 tolerance), with decodes replayed from graphs."""
+    hf = make_hf(CONFIGS["llama-gqa"], dtype=torch.bfloat16, device="cuda")
+    model, cfg, kv = make_vattn(hf, dtype=torch.bfloat16, device="cuda")
+    eager = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, record_logits=True)
+    eager_reqs, _ = run_engine(eager)
+    fn = vattn.compile(model, cfg) if compile_model else model
+    runner = vattn.CUDAGraphRunner(fn, cfg, kv, max_batch_size=8, max_model_len=128,
+                                   mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE, show_progress=False)
+    replays = []
+    dispatch = runner.dispatch
+
+    def counting_dispatch(common: Any) -> Any:
+        bd, padded = dispatch(common)
+        replays.append(bd.mode)
+        return bd, padded
+
+    runner.dispatch = counting_dispatch  # type: ignore[method-assign]
+    graphs = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, graph_runner=runner,
+                    record_logits=True)
+    reqs, _ = run_engine(graphs)
+    assert vattn.CUDAGraphMode.FULL in replays, f"no full-graph replay (runner mode {runner.mode}: {runner.downgrade_reasons})"
+    for a, b in zip(eager_reqs, reqs):
+        assert_bf16_close(torch.stack(graphs.logits[b.req_id]), torch.stack(eager.logits[a.req_id]),
+                          b.output_token_ids, f"cudagraph request {b.req_id}")
 
 
 # ---- the generation loop's own invariants ------------------------------------------------------

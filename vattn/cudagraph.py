@@ -64,9 +64,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
+import itertools
 import logging
 import math
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 from unittest import mock
 
@@ -76,6 +79,7 @@ from torch.utils._pytree import tree_map
 from vattn import envs
 from vattn.backends.abstract import AttentionCGSupport
 from vattn.backends.utils import CommonAttentionMetadata
+from vattn.compile_passes import piecewise as _piecewise
 from vattn.compile_passes.piecewise import PiecewiseRun, piecewise_run, weak_ref_tensor
 from vattn.config import CUDAGraphMode, VattnConfig, _default_capture_sizes
 from vattn.forward_context import set_forward_context
@@ -92,6 +96,7 @@ __all__ = [
 
 logger = logging.getLogger("vattn.cudagraph")
 M = CUDAGraphMode
+_runner_keys = itertools.count(1)
 _FULL_MODES = (M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE)
 
 
@@ -247,8 +252,9 @@ def is_uniform_decode(common: CommonAttentionMetadata) -> bool:
 # ---- the runner --------------------------------------------------------------------------
 
 
-def _tensor_addresses(metadata: dict[str, Any]) -> dict[tuple[int, str], int]:
-    """(group index, field) -> data_ptr of every CUDA tensor field of each distinct metadata."""
+def _tensor_addresses(metadata: dict[str, Any], device: torch.device) -> dict[tuple[int, str], int]:
+    """(group index, field) -> data_ptr of every tensor field on ``device`` (the ones a graph
+    reads; host mirrors are not) of each distinct metadata."""
     out: dict[tuple[int, str], int] = {}
     seen: dict[int, int] = {}
     for md in metadata.values():
@@ -261,7 +267,7 @@ def _tensor_addresses(metadata: dict[str, Any]) -> dict[tuple[int, str], int]:
             else vars(md)
         )
         for name, v in items.items():
-            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            if isinstance(v, torch.Tensor) and v.device == device:
                 out[(g, name)] = v.data_ptr()
     return out
 
@@ -271,7 +277,15 @@ class _FullGraph:
     graph: "torch.cuda.CUDAGraph"
     output: Any
     addresses: dict[tuple[int, str], int]
+    # The capture-time metadata stays alive: the graph read its tensors, and a freed
+    # address handed to a fresh tensor would hide a builder that breaks the contract.
+    metadata: dict[str, Any]
     checked: bool = False
+
+
+def _release_pieces(pieces: list[Any], key: int) -> None:
+    for piece in pieces:
+        piece.release(key)
 
 
 @contextlib.contextmanager
@@ -336,10 +350,14 @@ class CUDAGraphRunner:
         )
         for why in self.downgrade_reasons:
             logger.warning("CUDAGraphRunner: mode %s downgraded: %s", requested.name, why)
+        self.key = next(_runner_keys)  # this runner's piecewise graphs, in every piece
+        self._pieces = model.backend.pieces if has_piecewise else []
+        weakref.finalize(self, _release_pieces, self._pieces, self.key)
         self.pool: Any = None
         self.full_graphs: dict[int, _FullGraph] = {}
         self.captured = False
         self.stats: dict[str, float] = {}
+        self.last_batch_descriptor: BatchDescriptor | None = None
         n = max(self.max_size, 1)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -396,15 +414,13 @@ class CUDAGraphRunner:
                 warmup_s += time.perf_counter() - tw
                 if self.mode in _FULL_MODES:
                     md = self.kv.build_metadata_for_cudagraph_capture(common)
-                    graph = torch.cuda.CUDAGraph()
                     bd = BatchDescriptor(M.FULL, n, n, True)
                     with set_forward_context(md, self.config, batch_descriptor=bd), torch.no_grad():
-                        with torch.cuda.graph(graph, pool=self.pool):
-                            out = self.model(ids, pos)
-                    self.full_graphs[n] = _FullGraph(graph, tree_map(weak_ref_tensor, out), _tensor_addresses(md))
+                        graph, out = _piecewise.capture_graph(functools.partial(self.model, ids, pos), self.pool)
+                    self.full_graphs[n] = _FullGraph(graph, tree_map(weak_ref_tensor, out), _tensor_addresses(md, self.device), md)
                 if self.mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE):
                     bd = BatchDescriptor(M.PIECEWISE, n, n, True)
-                    run = PiecewiseRun(self, n, capture=True, pool=self.pool)
+                    run = PiecewiseRun(self.key, n, capture=True, pool=self.pool)
                     with set_forward_context(self.kv.build_metadata(common), self.config, batch_descriptor=bd):
                         with piecewise_run(run), torch.no_grad():
                             self.model(ids, pos)
@@ -425,8 +441,7 @@ class CUDAGraphRunner:
     def release(self) -> None:
         """Drop every graph this runner captured (full and piecewise)."""
         self.full_graphs.clear()
-        for piece in getattr(getattr(self.model, "backend", None), "pieces", ()):
-            piece.release(self)
+        _release_pieces(self._pieces, self.key)
         self.captured = False
 
     # ---- replay ------------------------------------------------------------------------
@@ -443,6 +458,7 @@ class CUDAGraphRunner:
         if not self.captured:
             self.capture()
         bd, padded = self.dispatch(common)
+        self.last_batch_descriptor = bd
         if bd.mode is M.NONE:
             with set_forward_context(self.kv.build_metadata(common), self.config, batch_descriptor=bd):
                 with torch.no_grad():
@@ -461,13 +477,13 @@ class CUDAGraphRunner:
             entry.graph.replay()
             out = entry.output
         else:
-            run = PiecewiseRun(self, n, check_addresses=envs.VATTN_CUDAGRAPH_DEBUG)
+            run = PiecewiseRun(self.key, n, check_addresses=envs.VATTN_CUDAGRAPH_DEBUG)
             with set_forward_context(md, self.config, batch_descriptor=bd), piecewise_run(run), torch.no_grad():
                 out = self.model(self.input_ids[:n], self.positions[:n])
         return tree_map(lambda x: x[:t] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x, out)
 
     def _check_metadata(self, entry: _FullGraph, md: dict[str, Any], n: int) -> None:
-        now = _tensor_addresses(md)
+        now = _tensor_addresses(md, self.device)
         for key, was in entry.addresses.items():
             if now.get(key, was) != was:
                 builder = type(self.kv.groups[key[0]].builder).__name__

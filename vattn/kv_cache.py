@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import torch
 
 from vattn.backends.abstract import AttentionBackend, AttentionMetadata, AttentionType
@@ -193,13 +194,43 @@ def bind_kv_cache(tensors: dict[str, torch.Tensor], config: VattnConfig | None =
         layers[name].kv_cache = [tensor]
 
 
-def _as_int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
+def _as_int_array(name: str, values: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    out = [int(v) for v in values]
-    if any(v < 0 for v in out):
-        raise ValueError(f"{name} must be non-negative, got {out}.")
+        values = values.detach().cpu().numpy()
+    out = np.asarray(values, dtype=np.int64).reshape(-1)
+    if (out < 0).any():
+        raise ValueError(f"{name} must be non-negative, got {out.tolist()}.")
     return out
+
+
+def _block_table_array(
+    block_tables: Sequence[Sequence[int]] | torch.Tensor | np.ndarray, b: int, width: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(table (b, width) int64, row lengths (b,)); tensor/array rows count as full width."""
+    if isinstance(block_tables, (torch.Tensor, np.ndarray)):
+        arr = block_tables.detach().cpu().numpy() if isinstance(block_tables, torch.Tensor) else block_tables
+        arr = np.asarray(arr, dtype=np.int64)
+        if arr.ndim != 2 or arr.shape[0] < b:
+            raise ValueError(
+                f"block_tables must be a 2-D (num_reqs, max_blocks) tensor with at least {b} rows, "
+                f"got shape {tuple(arr.shape)}."
+            )
+        rows = np.full(b, arr.shape[1], dtype=np.int64)
+        arr = arr[:b]
+    else:
+        lists = list(block_tables)
+        if len(lists) < b:
+            raise ValueError(f"block_tables has {len(lists)} rows for {b} requests; give one row per request.")
+        rows = np.array([len(r) for r in lists[:b]], dtype=np.int64)
+        arr = np.zeros((b, int(rows.max(initial=1))), dtype=np.int64)
+        for r in range(b):
+            arr[r, : rows[r]] = lists[r]
+    if width is not None:
+        if (rows > width).any() and not isinstance(block_tables, (torch.Tensor, np.ndarray)):
+            raise ValueError(f"max_blocks_per_req={width} is smaller than the longest block table row ({rows.max()}).")
+        arr = np.pad(arr[:, :width], ((0, 0), (0, max(0, width - arr.shape[1]))))
+        rows = np.minimum(rows, width)
+    return arr, rows
 
 
 def build_common_attn_metadata(
@@ -215,18 +246,20 @@ def build_common_attn_metadata(
     causal: bool = True,
     num_blocks: int | None = None,
 ) -> CommonAttentionMetadata:
-    """Turn per-request facts into ``CommonAttentionMetadata``.
+    """Turn per-request facts into ``CommonAttentionMetadata`` (vectorized host work, one copy each).
 
     Args:
         query_lens: (B,) new tokens of each request, decodes first.
         num_computed_tokens: (B,) tokens each request already has in the cache.
-        block_tables: B rows of block ids; row r needs ``ceil(seq_len_r / block_size)`` ids.
+        block_tables: B rows of block ids (lists, or a (B, max_blocks) int tensor used as is);
+            row r needs ``ceil(seq_len_r / block_size)`` ids.
         block_size: tokens per block (the cache's).
         device: where the device tensors go (CPU mirrors are kept too).
         num_tokens_padded: pad the token dimension to this (padding slots are -1).
-        num_reqs_padded: pad the request dimension to this (``num_reqs`` is then this). Padded requests take one padded
-            token each while padded tokens remain (query length 1, sequence length 1 on block 0,
-            never written), then query length 0: every kernel accepts them.
+        num_reqs_padded: pad the request dimension to this (``num_reqs`` is then this). Padded
+            requests take one padded token each while padded tokens remain (query length 1,
+            sequence length 1 on block 0, never written), then query length 0: every kernel
+            accepts them.
         max_blocks_per_req: width of ``block_table_tensor`` (default: the longest row).
         causal: False for encoder (bidirectional) attention.
         num_blocks: the cache's block count; block ids must be below it (checked when given).
@@ -234,37 +267,37 @@ def build_common_attn_metadata(
     New token ``i`` of request ``r`` sits at position ``num_computed_tokens[r] + i`` and goes to
     slot ``block_tables[r][pos // block_size] * block_size + pos % block_size``.
     """
-    qlens = _as_int_list("query_lens", query_lens)
-    computed = _as_int_list("num_computed_tokens", num_computed_tokens)
-    if isinstance(block_tables, torch.Tensor):
-        rows = [list(map(int, r)) for r in block_tables.tolist()]
-    else:
-        rows = [[int(b) for b in r] for r in block_tables]
-    b = len(qlens)
-    if len(computed) != b or len(rows) < b:
-        raise ValueError(
-            f"query_lens ({b}), num_computed_tokens ({len(computed)}) and block_tables ({len(rows)}) "
-            "must describe the same requests; give one entry per request."
-        )
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}.")
-    for r, row in enumerate(rows[:b]):
-        bad = [x for x in row if x < 0 or (num_blocks is not None and x >= num_blocks)]
-        if bad:
-            raise ValueError(
-                f"block_tables[{r}] has block ids {bad[:4]} outside [0, {num_blocks}); "
-                "use ids of blocks allocated in this cache (kv.num_blocks)."
-            )
-    seq_lens = [c + q for c, q in zip(computed, qlens)]
-    for r, (s, row) in enumerate(zip(seq_lens, rows)):
-        need = math.ceil(s / block_size)
-        if len(row) < need:
-            raise ValueError(
-                f"block_tables[{r}] has {len(row)} blocks but request {r} has {s} tokens "
-                f"(num_computed_tokens {computed[r]} + query_len {qlens[r]}), needing {need} blocks of "
-                f"{block_size}; allocate more blocks for it."
-            )
-    num_tokens = sum(qlens)
+    qlens = _as_int_array("query_lens", query_lens)
+    computed = _as_int_array("num_computed_tokens", num_computed_tokens)
+    b = qlens.shape[0]
+    if computed.shape[0] != b:
+        raise ValueError(
+            f"query_lens ({b}) and num_computed_tokens ({computed.shape[0]}) must describe the same "
+            "requests; give one entry per request."
+        )
+    table, row_lens = _block_table_array(block_tables, b, max_blocks_per_req)
+    seq_lens = computed + qlens
+    need = -(-seq_lens // block_size)
+    short = np.nonzero(row_lens < need)[0]
+    if short.size:
+        r = int(short[0])
+        raise ValueError(
+            f"block_tables[{r}] has {row_lens[r]} blocks but request {r} has {seq_lens[r]} tokens "
+            f"(num_computed_tokens {computed[r]} + query_len {qlens[r]}), needing {need[r]} blocks of "
+            f"{block_size}; allocate more blocks for it."
+        )
+    used = np.arange(table.shape[1])[None, :] < need[:, None]
+    bad = used & ((table < 0) | (table >= (num_blocks if num_blocks is not None else np.iinfo(np.int64).max)))
+    if bad.any():
+        r = int(np.nonzero(bad.any(1))[0][0])
+        raise ValueError(
+            f"block_tables[{r}] has block ids {table[r][bad[r]][:4].tolist()} outside [0, {num_blocks}); "
+            "use ids of blocks allocated in this cache (kv.num_blocks)."
+        )
+
+    num_tokens = int(qlens.sum())
     t_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
     b_pad = b if num_reqs_padded is None else num_reqs_padded
     if t_pad < num_tokens or b_pad < b:
@@ -272,47 +305,44 @@ def build_common_attn_metadata(
             f"num_tokens_padded={num_tokens_padded} / num_reqs_padded={num_reqs_padded} must be at least "
             f"the real {num_tokens} tokens / {b} requests."
         )
-    width = max([len(r) for r in rows[:b]] + [1]) if max_blocks_per_req is None else max_blocks_per_req
-    if any(len(r) > width for r in rows[:b]):
-        raise ValueError(f"max_blocks_per_req={width} is smaller than the longest block table row.")
-
     # Padded requests: one padded token each while any remain, else none.
-    spare = t_pad - num_tokens
-    pad_q = [1 if i < spare else 0 for i in range(b_pad - b)]
-    all_q = qlens + pad_q
-    all_seq = seq_lens + pad_q
-    qsl = torch.zeros(b_pad + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(all_q, dtype=torch.int32).cumsum(0)
-    table = torch.zeros((b_pad, width), dtype=torch.int32)
-    for r in range(b):
-        table[r, : len(rows[r])] = torch.tensor(rows[r], dtype=torch.int32)
+    pad_q = (np.arange(b_pad - b) < t_pad - num_tokens).astype(np.int64)
+    all_q = np.concatenate([qlens, pad_q])
+    qsl = np.zeros(b_pad + 1, dtype=np.int32)
+    np.cumsum(all_q, out=qsl[1:])
+    full_table = np.zeros((b_pad, max(table.shape[1], 1)), dtype=np.int32)
+    full_table[:b, : table.shape[1]] = table
 
-    slot = torch.full((t_pad,), -1, dtype=torch.int64)
+    slot = np.full(t_pad, -1, dtype=np.int64)
     if num_tokens:
-        req = torch.repeat_interleave(torch.arange(b), torch.tensor(qlens))
-        starts = torch.tensor([0] + qlens[:-1]).cumsum(0)
-        pos = torch.arange(num_tokens) - starts[req] + torch.tensor(computed)[req]
-        blocks = table[req, pos // block_size].long()
-        slot[:num_tokens] = blocks * block_size + pos % block_size
+        req = np.repeat(np.arange(b), qlens)
+        pos = np.arange(num_tokens) - qsl[:-1][req] + computed[req]
+        slot[:num_tokens] = table[req, pos // block_size] * block_size + pos % block_size
 
-    seq_t = torch.tensor(all_seq, dtype=torch.int32)
     device = torch.device(device)
     pin = device.type == "cuda"
 
-    def to_dev(t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+    def to_dev(a: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        cpu = torch.from_numpy(a)
+        if pin:
+            return cpu.pin_memory().to(device, non_blocking=True), cpu
+        return cpu.to(device), cpu
 
+    qsl_dev, qsl_cpu = to_dev(qsl)
+    seq_dev, seq_cpu = to_dev(np.concatenate([seq_lens, pad_q]).astype(np.int32))
+    table_dev, _ = to_dev(full_table)
+    slot_dev, _ = to_dev(slot)
     return CommonAttentionMetadata(
-        query_start_loc=to_dev(qsl),
-        query_start_loc_cpu=qsl,
-        seq_lens=to_dev(seq_t),
-        seq_lens_cpu=seq_t,
-        num_computed_tokens_cpu=torch.tensor(computed + [0] * (b_pad - b), dtype=torch.int32),
+        query_start_loc=qsl_dev,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_dev,
+        seq_lens_cpu=seq_cpu,
+        num_computed_tokens_cpu=torch.from_numpy(np.concatenate([computed, np.zeros(b_pad - b, np.int64)]).astype(np.int32)),
         num_reqs=b_pad,
         num_actual_tokens=num_tokens,
-        max_query_len=max(qlens, default=0),
-        block_table_tensor=to_dev(table),
-        slot_mapping=to_dev(slot),
-        max_seq_len=max(seq_lens, default=0),
+        max_query_len=int(qlens.max(initial=0)),
+        block_table_tensor=table_dev,
+        slot_mapping=slot_dev,
+        max_seq_len=int(seq_lens.max(initial=0)),
         causal=causal,
     )

@@ -141,7 +141,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     | slot_mapping | (T,) int64 | cache slot of each new token, -1 = padding |
     | causal | bool | the batch's causal flag |
     | config | UnifiedAttentionConfig | launch config (tiles, splits), fixed per captured size |
-    | partial_out, partial_lse | fp32 or None | split-KV scratch (persistent) |
+    | partial_out, partial_lse | fp32 or None | split-KV scratch (the builder's, persistent) |
     """
 
     num_actual_tokens: int
@@ -162,11 +162,13 @@ class TritonAttentionMetadata(AttentionMetadata):
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
     """Builds ``TritonAttentionMetadata``; full CUDA graphs for any batch (``ALWAYS``).
 
-    Batches of at most ``max_graph_tokens`` rows (the largest capture size) are copied into
-    persistent buffers, updated in place every step, so a captured graph reads this step's
-    data; the kernel sees ``Bk = T`` requests and a config chosen from ``T`` alone (plus
-    whether the batch is decode-only), so one captured size holds one kernel path. Larger
-    batches run eagerly on the caller's tensors. The split-KV scratch is allocated once.
+    On CUDA, batches of at most ``max_graph_tokens`` rows (the largest capture size) are
+    copied into persistent buffers, updated in place every step, so a captured graph reads
+    this step's data (the ``vattn.cudagraph`` builder contract). The kernel then sees
+    ``Bk = T`` requests (past ``num_reqs``: empty) and a config chosen from ``T`` and whether
+    the batch is decode-only, so each captured size holds one kernel path that is valid for
+    every batch of that size. Larger batches run on the caller's tensors. The split-KV
+    scratch is allocated once and every metadata carries it.
     """
 
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
@@ -186,38 +188,35 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         )
 
         comp = vattn_config.compilation
-        sizes = comp.capture_sizes()
-        self.max_graph_tokens = max([comp.max_capture_size, *sizes]) if sizes else comp.max_capture_size
-        layers = vattn_config.compilation.static_forward_context
+        layers = comp.static_forward_context
         heads = [getattr(layers.get(n), "num_heads", None) for n in layer_names]
         heads = [h for h in heads if isinstance(h, int)]
-        # Query heads decide the scratch size; unknown (no registered layer) -> assume 8 per KV head.
+        # Query heads size the split scratch; unknown (no registered layer): assume 8 per KV head.
         self.num_q_heads = max(heads) if heads else 8 * kv_cache_spec.num_kv_heads
         self.num_sms = device_num_sms(self.device)
         self.max_split_rows = default_max_split_rows(self.num_q_heads, kv_cache_spec.head_size)
         n_o, n_lse = split_scratch_numel(self.max_split_rows, self.num_q_heads, kv_cache_spec.head_size)
-        dev, n = self.device, self.max_graph_tokens
-        self.partial_out = torch.empty(n_o, dtype=torch.float32, device=dev)
-        self.partial_lse = torch.empty(n_lse, dtype=torch.float32, device=dev)
-        self._qsl = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-        self._seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self._slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self._block_table = torch.zeros((n, 1), dtype=torch.int32, device=dev)
+        self.partial_out = torch.empty(n_o, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
         # CUDA graphs exist only on CUDA; elsewhere skip the copies (tests may turn this on).
         self.use_persistent_buffers = self.device.type == "cuda"
+        self.max_graph_tokens = max([comp.max_capture_size, *comp.capture_sizes()])
+        self._captured = False
+        self._allocate(self.max_graph_tokens, 1)
 
-    def _ensure_block_table_width(self, width: int) -> None:
-        if width > self._block_table.shape[1]:
-            if self._block_table.shape[1] > 1:
-                logger.warning(
-                    "TRITON_ATTN: block tables grew to %d columns; CUDA graphs captured before read "
-                    "the old buffer and must be captured again (build a capture batch with the "
-                    "widest block table first, e.g. max_blocks_per_req=ceil(max_len/block_size)).",
-                    width,
-                )
-            self._block_table = torch.zeros(
-                (self.max_graph_tokens, width), dtype=torch.int32, device=self.device
-            )
+    def _allocate(self, num_tokens: int, width: int) -> None:
+        """(Re)allocate the persistent buffers: ``num_tokens`` rows, block tables ``width`` wide."""
+        dev = self.device
+        self.max_graph_tokens = num_tokens
+        self._qsl = torch.zeros(num_tokens + 1, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
+        self._slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
+        self._block_table = torch.zeros((num_tokens, width), dtype=torch.int32, device=dev)
+
+    def _fits(self, cm: CommonAttentionMetadata) -> bool:
+        t = cm.slot_mapping.shape[0]
+        return (self.use_persistent_buffers and 0 < t and max(t, cm.num_reqs) <= self.max_graph_tokens
+                and cm.block_table_tensor.shape[1] <= self._block_table.shape[1])
 
     def _config(self, num_tokens: int, num_seqs: int, max_query_len: int) -> "UnifiedAttentionConfig":
         from vattn.ops.triton_unified_attention import select_unified_attention_config
@@ -227,6 +226,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=self.num_q_heads,
             num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_seqlen_q=max_query_len,
             num_sms=self.num_sms, max_split_rows=self.max_split_rows,
+            kv_fp8=spec.cache_dtype_str.startswith("fp8"),
         )
 
     def build(
@@ -236,55 +236,59 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         fast_build: bool = False,
     ) -> TritonAttentionMetadata:
         cm = common_attn_metadata
-        num_tokens = cm.slot_mapping.shape[0]
-        b = cm.num_reqs
-        max_q = cm.max_query_len
-        if self.use_persistent_buffers and 0 < num_tokens <= self.max_graph_tokens and b <= num_tokens:
-            bk = num_tokens
-            total = int(cm.query_start_loc_cpu[b])
+        num_tokens, b = cm.slot_mapping.shape[0], cm.num_reqs
+        if not self._captured and self.use_persistent_buffers and 0 < num_tokens <= self.max_graph_tokens:
+            # Before any capture the block-table buffer may still widen (capture batches are widest).
+            width = cm.block_table_tensor.shape[1]
+            if width > self._block_table.shape[1]:
+                self._block_table = torch.zeros((self.max_graph_tokens, width), dtype=torch.int32,
+                                                device=self.device)
+        if self._fits(cm):
+            bk = max(num_tokens, b)
+            bt = cm.block_table_tensor
             self._qsl[: b + 1].copy_(cm.query_start_loc[: b + 1], non_blocking=True)
-            self._qsl[b + 1 : bk + 1].fill_(total)
+            self._qsl[b + 1 : bk + 1].fill_(int(cm.query_start_loc_cpu[b]))
             self._seq_lens[:b].copy_(cm.seq_lens[:b], non_blocking=True)
             self._seq_lens[b:bk].fill_(0)
             self._slots[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
-            bt = cm.block_table_tensor
-            self._ensure_block_table_width(bt.shape[1])
             self._block_table[:b, : bt.shape[1]].copy_(bt[:b], non_blocking=True)
             qsl, seq_lens = self._qsl[: bk + 1], self._seq_lens[:bk]
             block_table, slots = self._block_table[:bk], self._slots[:num_tokens]
-            # Decode-only or not is the one batch fact besides T the config looks at.
-            config = self._config(num_tokens, bk, 1 if max_q <= 1 else max_q)
         else:
             bk = b
             qsl, seq_lens = cm.query_start_loc[: b + 1], cm.seq_lens[:b]
             block_table, slots = cm.block_table_tensor[:b], cm.slot_mapping
-            config = self._config(num_tokens, bk, max_q)
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_tokens=num_tokens,
             num_reqs=b,
-            max_query_len=max_q,
+            max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=slots,
             causal=cm.causal,
-            config=config,
-            partial_out=self.partial_out if config.num_splits > 1 else None,
-            partial_lse=self.partial_lse if config.num_splits > 1 else None,
+            config=self._config(num_tokens, bk, cm.max_query_len),
+            partial_out=self.partial_out,
+            partial_lse=self.partial_lse,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """Capture-time metadata: ``build`` already writes into the persistent buffers."""
-        md = self.build(0, common_attn_metadata)
-        if md.num_tokens > self.max_graph_tokens:
-            raise ValueError(
-                f"cannot capture a CUDA graph of {md.num_tokens} tokens: TRITON_ATTN's persistent "
-                f"buffers hold {self.max_graph_tokens} (CompilationConfig.max_capture_size / "
-                "cudagraph_capture_sizes); raise those or capture smaller sizes."
-            )
-        return md
+        """Capture-time metadata through the persistent buffers (grown first if this batch is larger)."""
+        cm = common_attn_metadata
+        t, width = cm.slot_mapping.shape[0], cm.block_table_tensor.shape[1]
+        if not self.use_persistent_buffers:
+            raise ValueError(f"CUDA graphs need a CUDA device; this TRITON_ATTN builder is on {self.device}.")
+        if max(t, cm.num_reqs) > self.max_graph_tokens or width > self._block_table.shape[1]:
+            if self._captured:
+                logger.warning(
+                    "TRITON_ATTN: capturing %d tokens / %d block-table columns after smaller captures; "
+                    "the persistent buffers grow and graphs captured before must be captured again "
+                    "(capture the largest size, with the widest block table, first).", t, width)
+            self._allocate(max(t, cm.num_reqs, self.max_graph_tokens), max(width, self._block_table.shape[1]))
+        self._captured = True
+        return self.build(0, cm)
 
 
 def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
@@ -372,7 +376,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 "disagree: fp8 output needs output_scale, other dtypes take none."
             )
         from vattn.ops.kv_store import store_kv
-        from vattn.ops.triton_unified_attention import unified_attention
+        from vattn.ops.triton_unified_attention import head_pad, unified_attention
 
         md = attn_metadata
         key_cache, value_cache = kv_cache.unbind(0)
@@ -380,9 +384,15 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             store_kv(key, value, key_cache, value_cache, md.slot_mapping,
                      self.kv_cache_dtype, layer._k_scale, layer._v_scale)
         config = md.config
-        if config.num_splits > 1 and query.shape[0] > md.num_tokens:
-            # More query rows than the batch was planned for (cross-attention): no split scratch for them.
-            config = dataclasses.replace(config, num_splits=1)
+        splits = config.num_splits
+        if splits > 1 and md.partial_out is not None:
+            # Static shape arithmetic: fewer splits when the scratch cannot hold these rows (more
+            # query rows than planned, as in cross-attention, or a builder without layer facts).
+            per_split = query.shape[0] * self.num_heads * head_pad(self.head_size)
+            while splits > 1 and splits * per_split > md.partial_out.numel():
+                splits //= 2
+            if splits != config.num_splits:
+                config = dataclasses.replace(config, num_splits=splits)
         causal = md.causal and self.attn_type == AttentionType.DECODER
         window = None
         if self.sliding_window is not None and self.attn_type == AttentionType.DECODER:

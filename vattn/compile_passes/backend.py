@@ -39,6 +39,7 @@ backend) and ``compilation_counter`` (process-wide).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -136,9 +137,9 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx.Gr
         else:
             part[node] = pid
     splitting_ids = {part[n] for n in part if is_splitting_node(n, splitting_ops)}
-    split_gm = torch.fx.passes.split_module.split_module(
-        gm, None, lambda n: part[n], keep_original_order=True
-    )
+    from torch.fx.passes.split_module import split_module
+
+    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     items: list[SplitItem] = []
     for node in split_gm.graph.nodes:
         if node.op != "call_module":
@@ -197,11 +198,12 @@ class VattnBackend:
         config: the model's config (splitting ops, passes, ``use_inductor``, dump path).
     """
 
-    def __init__(self, config: VattnConfig) -> None:
+    def __init__(self, config: VattnConfig, *, suppress_guards: bool = False) -> None:
         if not isinstance(config, VattnConfig):
             raise TypeError(f"VattnBackend expects a vattn.VattnConfig, got {type(config).__name__}.")
         self.config = config
         self.splitting_ops = tuple(config.compilation.splitting_ops)
+        self.suppress_guards = suppress_guards
         self.counter = CompilationCounter()
         self.pieces: list[CUDAGraphPiece] = []
         self.split_gm: fx.GraphModule | None = None
@@ -252,10 +254,21 @@ class VattnBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {"post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
-            fn = compile_fx(piece, list(example_inputs), config_patches=patches)
+            with _shape_guards_suppressed(example_inputs, self.suppress_guards):
+                fn = compile_fx(piece, list(example_inputs), config_patches=patches)
             _bump(self.counter, num_inductor_compiles=1)
         self._compiled[key] = fn
         return fn
+
+
+def _shape_guards_suppressed(example_inputs: Sequence[Any], suppress: bool) -> Any:
+    """With backed token symbols: keep Inductor's lowering of a piece (which asks e.g.
+    whether the token count is 1 while computing view strides) from guarding the whole
+    model on the answer; its general-size code stays valid for every size."""
+    from torch._guards import detect_fake_mode
+
+    shape_env = getattr(detect_fake_mode(example_inputs), "shape_env", None)
+    return shape_env.suppress_guards() if suppress and shape_env is not None else contextlib.nullcontext()
 
 
 def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:
@@ -312,14 +325,16 @@ class VattnCompiledModel(nn.Module):
         model: nn.Module,
         config: VattnConfig,
         *,
-        dynamic: bool,
+        dynamic: bool | str,
         dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None,
     ) -> None:
+        if dynamic not in (True, False, "unbacked", "backed"):
+            raise ValueError(f"vattn.compile: dynamic must be True, False, 'unbacked' or 'backed', got {dynamic!r}.")
         super().__init__()
         self.model = model
         self.config = config
-        self.dynamic = dynamic
-        self.backend = VattnBackend(config)
+        self.dynamic = "unbacked" if dynamic is True else dynamic
+        self.backend = VattnBackend(config, suppress_guards=self.dynamic == "backed")
         self._dims = dict(dynamic_arg_dims) if dynamic_arg_dims is not None else None
         self._signature = inspect.signature(model.forward)
         compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
@@ -332,7 +347,7 @@ class VattnCompiledModel(nn.Module):
             return getattr(self._modules["model"], name)
 
     def _mark_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        mark = torch._dynamo.decorators.mark_unbacked
+        mark = torch._dynamo.decorators.mark_unbacked if self.dynamic == "unbacked" else torch._dynamo.mark_dynamic
         if self._dims is None:  # dim 0 of every tensor argument (token-major inputs)
             for v in (*args, *kwargs.values()):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -346,9 +361,14 @@ class VattnCompiledModel(nn.Module):
                     mark(v, d % v.dim())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.dynamic:
-            self._mark_dynamic(args, kwargs)
-        with torch.no_grad():
+        if not self.dynamic:
+            with torch.no_grad():
+                return self._compiled(*args, **kwargs)
+        self._mark_dynamic(args, kwargs)
+        if self.dynamic == "unbacked":
+            with torch.no_grad():
+                return self._compiled(*args, **kwargs)
+        with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
             return self._compiled(*args, **kwargs)
 
 
@@ -356,7 +376,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     model: nn.Module,
     config: VattnConfig | None = None,
     *,
-    dynamic: bool = True,
+    dynamic: bool | str = True,
     dynamic_arg_dims: Mapping[str, int | Sequence[int]] | None = None,
 ) -> VattnCompiledModel:
     """Compile ``model`` for inference: whole-graph Dynamo, split at attention, Inductor per piece.
@@ -364,8 +384,12 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     Args:
         model: an ``nn.Module`` whose attention layers are ``vattn.Attention`` (built under ``config``).
         config: the config the model was built under (default: the current one).
-        dynamic: mark the token dimension dynamic (unbacked, see the module docstring), so
-            one graph serves every batch; with False every new token count compiles again.
+        dynamic: True (= ``"unbacked"``) marks the token dimension dynamic as an unbacked
+            symbol (see the module docstring), so one graph serves every batch. ``"backed"``
+            marks it with ``mark_dynamic`` (size-oblivious, Inductor's own shape guards
+            suppressed): the fallback for a model or torch version that unbacked symbols
+            trip up; a reshape of a non-contiguous tensor by the token count then costs one
+            recompile for 1-token steps. False: every new token count compiles again.
         dynamic_arg_dims: forward-argument name -> dim(s) to mark dynamic; default: dim 0 of
             every tensor argument (``input_ids`` (T,), ``positions`` (T,), ...). Give e.g.
             ``{"input_ids": 0, "positions": -1}`` for M-RoPE positions of shape (3, T).

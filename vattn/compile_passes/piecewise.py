@@ -24,6 +24,7 @@ tensors a replay returns are overwritten by the next replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -31,7 +32,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["CUDAGraphPiece", "PiecewiseRun", "current_piecewise_run", "piecewise_run", "weak_ref_tensor"]
+__all__ = [
+    "CUDAGraphPiece",
+    "PiecewiseRun",
+    "capture_graph",
+    "current_piecewise_run",
+    "piecewise_run",
+    "weak_ref_tensor",
+]
 
 logger = logging.getLogger("vattn.cudagraph")
 
@@ -41,14 +49,14 @@ class PiecewiseRun:
     """One PIECEWISE forward, as the runner describes it to the pieces.
 
     Args:
-        owner: the runner (graphs are stored per owner).
+        owner: a key unique to the runner (graphs are stored per owner).
         num_tokens: the padded token count (the capture size).
         capture: capture graphs for pieces that have none for this size.
         pool: the shared memory pool (``torch.cuda.graph_pool_handle()``).
         check_addresses: verify input addresses on every replay (debug mode).
     """
 
-    owner: object
+    owner: int
     num_tokens: int
     capture: bool = False
     pool: Any = None
@@ -91,6 +99,17 @@ def weak_ref_tensor(t: Any) -> Any:
     return out
 
 
+def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """Capture ``fn()`` into a new CUDA graph on ``pool``; returns the graph and ``fn``'s output.
+
+    Both the piecewise pieces and the runner's full graphs capture through this function.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def _addresses(args: tuple[Any, ...]) -> list[int | None]:
     return [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
 
@@ -120,7 +139,7 @@ class CUDAGraphPiece:
         run = _run[0]
         if run is None:
             return self.fn(*args)
-        key = (id(run.owner), run.num_tokens)
+        key = (run.owner, run.num_tokens)
         entry = self.graphs.get(key)
         if entry is None:
             if not run.capture:
@@ -133,9 +152,7 @@ class CUDAGraphPiece:
         return entry.output
 
     def _capture(self, key: tuple[int, int], run: PiecewiseRun, args: tuple[Any, ...]) -> Any:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=run.pool):
-            out = self.fn(*args)
+        graph, out = capture_graph(functools.partial(self.fn, *args), run.pool)
         self.graphs[key] = _Entry(graph, tree_map(weak_ref_tensor, out), _addresses(args))
         return out
 
@@ -153,9 +170,9 @@ class CUDAGraphPiece:
                     else f"piece {self.index}: argument {i} changed between tensor and non-tensor."
                 )
 
-    def release(self, owner: object | None = None) -> int:
+    def release(self, owner: int | None = None) -> int:
         """Drop the graphs captured for ``owner`` (all when None); returns how many."""
-        keys = [k for k in self.graphs if owner is None or k[0] == id(owner)]
+        keys = [k for k in self.graphs if owner is None or k[0] == owner]
         for k in keys:
             del self.graphs[k]
         return len(keys)

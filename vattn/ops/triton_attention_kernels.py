@@ -88,9 +88,11 @@ def _attend_tiles(
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
+        # Scores in log2 units. Plain attention keeps s unscaled and folds the scale into the
+        # exponent below (one FMA per score instead of a multiply and a subtract).
         if USE_SOFTCAP:  # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1)
             s = softcap_out * (1.0 - 2.0 / (tl.exp2(s * softcap_in) + 1.0))
-        else:
+        elif USE_ALIBI:
             s = s * qk_scale2
         if USE_ALIBI:
             s += alibi2[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
@@ -104,10 +106,16 @@ def _attend_tiles(
                     ok = ok & ((window_right < 0)
                                | (offs_n[None, :] <= q_pos[:, None] + window_right))
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        if USE_SOFTCAP or USE_ALIBI:
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        else:
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX) * qk_scale2)
         # Rows with nothing visible yet keep m = -inf; subtract 0 there to avoid inf - inf.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])
+        if USE_SOFTCAP or USE_ALIBI:
+            p = tl.exp2(s - m_sub[:, None])
+        else:
+            p = tl.exp2(s * qk_scale2 - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None]
@@ -176,7 +184,8 @@ def _unified_attention_kernel(
     d_ok = offs_d < HEAD_SIZE
     q_pos = ctx_len + tok
 
-    q_ptrs = (q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    tok_g = q_start + tok  # token row in q / out
+    q_ptrs = (q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
               + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
@@ -264,7 +273,6 @@ def _unified_attention_kernel(
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(v_scale_ptr)
-    tok_g = q_start + tok
     if NUM_SPLITS > 1:
         row = (split * num_tokens + tok_g) * NUM_Q_HEADS + head
         tl.store(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o,
@@ -277,7 +285,7 @@ def _unified_attention_kernel(
             o = tl.minimum(tl.maximum(o, -FP8_OUT_MAX), FP8_OUT_MAX)
             if FP8_ROUND_FIX:
                 o = round_to_fp8_grid(o, FP8_ROUND_FIX)
-        o_ptrs = (out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh
+        o_ptrs = (out_ptr + tok_g.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
                   + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -310,5 +318,5 @@ def _combine_splits_kernel(
         o = tl.minimum(tl.maximum(o, -FP8_OUT_MAX), FP8_OUT_MAX)
         if FP8_ROUND_FIX:
             o = round_to_fp8_grid(o, FP8_ROUND_FIX)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

@@ -29,7 +29,7 @@ def _store_kv_kernel(
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_ROUND_FIX: tl.constexpr,
 ):
     """One program per (token, group of BLOCK_H heads): copies a (BLOCK_H, D) tile of K and V."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return

@@ -126,20 +126,23 @@ def select_unified_attention_config(
     max_seqlen_q: int,
     num_sms: int,
     max_split_rows: int | None = None,
+    kv_fp8: bool = False,
 ) -> UnifiedAttentionConfig:
     """Pick the launch config from static sizes only (deterministic: CUDA-graph safe).
 
     Decode-only batches (``max_seqlen_q <= 1``) get a small M tile (one token x the query
     heads of a KV head) and split KV when ``num_seqs * num_kv_heads`` programs would leave
     SMs idle; batches with longer queries get 64/128-row tiles for tensor-core throughput.
-    ``num_splits * num_tokens`` never exceeds ``max_split_rows`` (the scratch size).
+    ``num_splits * num_tokens`` never exceeds ``max_split_rows`` (the scratch size). fp8
+    KV decode takes narrower key tiles: the in-register fp8 -> bf16 conversion of a
+    ``head_pad x tile_n`` tile sets the register count, and with it how many CTAs fit an SM.
     """
     qpk = num_q_heads // num_kv_heads
     hp = head_pad(head_size)
     min_m = max(16, triton.next_power_of_2(qpk))
     if max_seqlen_q <= 1:
         block_m = min_m
-        tile_n = 64 if hp <= 128 else 32
+        tile_n = max(16, 4096 // hp) if kv_fp8 else (64 if hp <= 128 else 32)
         num_warps, num_stages = 4, (3 if hp <= 128 else 2)
     else:
         big_m = 128 if hp <= 128 else 64
@@ -255,6 +258,7 @@ def unified_attention(
             num_kv_heads=num_kv_heads, head_size=head_size, max_seqlen_q=max_seqlen_q,
             num_sms=device_num_sms(q.device),
             max_split_rows=None if partial_out is None else partial_out.numel() // (num_q_heads * hp),
+            kv_fp8=k_cache.dtype in FP8_DTYPES,
         )
     if num_splits is not None and num_splits != config.num_splits:
         config = dataclasses.replace(config, num_splits=num_splits)

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""vattn.compile and CUDA graphs: decode step latency, and cold start.
+
+**decode**: one decode step (forward + LM head) of the Llama-3.2-1B shape (examples/model.py,
+random weights, bf16, random KV cache, every request at ``--context`` tokens) at batch 1, 8
+and 64, for:
+
+| impl | what runs |
+| --- | --- |
+| eager | the model in eager mode (metadata built each step) |
+| compiled | ``vattn.compile``d model, no graphs |
+| piecewise | ``CUDAGraphRunner(compiled, mode=PIECEWISE)``: pieces replayed, attention eager |
+| full | ``CUDAGraphRunner(compiled, mode=FULL)`` (downgraded, with the reason, where the backend forbids) |
+| full-direct | eager model whose layers call the backend directly (no opaque op), ``FULL`` graphs |
+
+``step_ms`` is the median wall time of a whole step (metadata build, padding, replay, LM
+head) timed with CUDA events; ``replay_ms`` (full graphs only) times the graph replay alone.
+``floor_ms`` = bytes of weights a step reads (layers + LM head) / measured read bandwidth.
+
+**coldstart**: time to first token in a fresh process for 4 and 32 layers: build, compile
+(Dynamo + Inductor), capture of every size up to 64 (``FULL_AND_PIECEWISE``) and one decode
+step; first with empty Inductor/Triton caches ("cold"), then again with the caches the cold
+run filled ("warm"). Capture seconds and graph-pool memory are reported separately.
+
+    PYTHONPATH=$PWD python benchmarks/bench_compile.py                   # both parts
+    PYTHONPATH=$PWD python benchmarks/bench_compile.py --only decode --quick
+    PYTHONPATH=$PWD python benchmarks/bench_compile.py --only coldstart --layers 4 32
+
+Writes ``compile-<device>-<date>.json`` to $OUT (if set) or benchmarks/results/, after each part.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()  # cold start counts from process start, torch import included
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import vattn  # noqa: E402
+from benchmarks import common  # noqa: E402
+from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
+
+M = vattn.CUDAGraphMode
+BLOCK = 16
+# --device cpu --preset tiny: a CPU smoke run of this script's logic (graphs fall back to eager)
+DEV = {"device": "cuda", "preset": "llama-3.2-1b"}
+
+
+def build(layers: int, backend: str | None, num_blocks: int, max_pos: int = 8192) -> tuple[Any, Any, Any]:
+    """The Llama-3.2-1B-shaped model with ``layers`` layers on CUDA (bf16), and its KV cache."""
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK))
+    mc = get_preset(DEV["preset"], num_hidden_layers=layers, max_position_embeddings=max_pos)
+    dtype = torch.bfloat16 if DEV["device"] == "cuda" else torch.float32
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEV["device"]), vattn.set_current_vattn_config(cfg):
+            model = DecoderForCausalLM(mc, attn_backend=backend).eval()
+    finally:
+        torch.set_default_dtype(old)
+    init_random_weights(model)
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=DEV["device"], dtype=dtype)
+    for i, t in enumerate(kv.tensors.values()):
+        k, v = common.split_kv_cache(t, num_blocks)
+        common.fill_random_kv_(k, v, seed=i)
+    return model, cfg, kv
+
+
+def decode_batch(kv: Any, batch: int, context: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``batch`` requests of ``context`` cached tokens, one new token each, on distinct blocks."""
+    g = torch.Generator().manual_seed(seed)
+    per = -(-(context + 1) // BLOCK)
+    blocks = (torch.randperm(kv.num_blocks - 1, generator=g)[: batch * per] + 1).view(batch, per)
+    common_md = kv.common_metadata([1] * batch, [context] * batch, blocks.tolist())
+    ids = torch.randint(0, 1000, (batch,), generator=g).to(DEV["device"])
+    return ids, torch.full((batch,), context, device=DEV["device"]), common_md
+
+
+def _sync() -> None:
+    if DEV["device"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every parameter once, except the embedding table when untied."""
+    emb = model.model.embed_tokens.weight
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    if model.lm_head.weight.data_ptr() != emb.data_ptr():  # untied: the table is only gathered
+        seen.pop(emb.data_ptr(), None)
+    return sum(seen.values())
+
+
+def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    from benchmarks import roofline
+
+    roof = roofline.measure(DEV["device"], quick=True, tiny=DEV["device"] != "cuda")
+    batches = (1, 8) if args.quick else (1, 8, 64)
+    per = -(-(args.context + 1) // BLOCK)
+    model, cfg, kv = build(args.decode_layers, args.backend, num_blocks=max(batches) * per + 8,
+                           max_pos=max(8192, args.context + 16))
+    wbytes = weight_bytes(model)
+    floor_ms = wbytes / (roof.read_tbps * 1e12) * 1e3
+    compiled = vattn.compile(model, cfg)
+    sizes = tuple(batches)
+    pw = vattn.CUDAGraphRunner(compiled, cfg, kv, capture_sizes=sizes, mode=M.PIECEWISE, show_progress=False)
+    full = vattn.CUDAGraphRunner(compiled, cfg, kv, capture_sizes=sizes, mode=M.FULL, show_progress=False)
+    direct = vattn.CUDAGraphRunner(model, cfg, kv, capture_sizes=sizes, mode=M.FULL, show_progress=False)
+
+    def eager_step(fn: Any, ids: torch.Tensor, pos: torch.Tensor, cm: Any) -> Any:
+        with vattn.set_forward_context(kv.build_metadata(cm), cfg), torch.no_grad():
+            return model.compute_logits(fn(ids, pos))
+
+    def graph_step(runner: Any, ids: torch.Tensor, pos: torch.Tensor, cm: Any) -> Any:
+        with torch.no_grad():
+            return model.compute_logits(runner(ids, pos, cm))
+
+    rows = payload.setdefault("decode_rows", [])
+    impls = ["eager", "compiled", "piecewise", "full", "full-direct"]
+    for b in common.progress(batches, desc="decode batch"):
+        ids, pos, cm = decode_batch(kv, b, args.context, seed=b)
+        for impl in impls:
+            layers = cfg.compilation.static_forward_context.values()
+            for layer in layers:  # full-direct: attention called directly, inside the same graph
+                layer.use_direct_call = impl == "full-direct"
+            if impl == "full-direct" and not direct.captured:
+                direct.capture()
+            fn = {
+                "eager": lambda: eager_step(model, ids, pos, cm),
+                "compiled": lambda: eager_step(compiled, ids, pos, cm),
+                "piecewise": lambda: graph_step(pw, ids, pos, cm),
+                "full": lambda: graph_step(full, ids, pos, cm),
+                "full-direct": lambda: graph_step(direct, ids, pos, cm),
+            }[impl]
+            res = common.bench(fn, warmup=50, rep=200 if not args.quick else 60)
+            runner = {"piecewise": pw, "full": full, "full-direct": direct}.get(impl)
+            row: dict[str, Any] = {"impl": impl, "batch": b, "context": args.context, "step_ms": res["median_ms"],
+                                   "p20_ms": res["p20"], "p80_ms": res["p80"], "floor_ms": floor_ms,
+                                   "x_floor": res["median_ms"] / floor_ms}
+            if runner is not None:
+                row["mode"] = runner.last_batch_descriptor.mode.name if runner.last_batch_descriptor else None
+                row["runner_mode"] = runner.mode.name
+                row["capture_s"] = runner.stats.get("capture_seconds")
+                row["graph_mib"] = (runner.stats.get("graph_memory_bytes") or 0) / 2**20
+                entry = runner.full_graphs.get(b)
+                if entry is not None and row["mode"] == "FULL":
+                    row["replay_ms"] = common.bench(entry.graph.replay, warmup=25, rep=100)["median_ms"]
+            rows.append(row)
+        for layer in cfg.compilation.static_forward_context.values():
+            layer.use_direct_call = False
+    payload["summary"].update(
+        decode_layers=args.decode_layers, weight_bytes=wbytes, read_tbps=roof.read_tbps, floor_ms=floor_ms,
+        backend=type(kv.groups[0].builder).__name__, downgrades={"full": full.downgrade_reasons, "piecewise": pw.downgrade_reasons},
+        inductor_compiles=compiled.backend.counter.num_inductor_compiles,
+    )
+    for r in (pw, full, direct):
+        r.release()
+
+
+def coldstart_child(args: argparse.Namespace) -> None:
+    """One cold start in this process; prints one JSON line (the parent collects it)."""
+    t_import = time.perf_counter() - _T0
+    t = time.perf_counter()
+    model, cfg, kv = build(args.child_layers, args.backend, num_blocks=512)
+    _sync()
+    t_build = time.perf_counter() - t
+
+    t = time.perf_counter()
+    compiled = vattn.compile(model, cfg)
+    ids = torch.zeros(64, dtype=torch.long, device=DEV["device"])
+    with vattn.set_forward_context(None, cfg):  # metadata None: a warm-up run, compiles
+        compiled(ids, torch.arange(64, device=DEV["device"]))
+    _sync()
+    t_compile = time.perf_counter() - t
+
+    t = time.perf_counter()
+    runner = vattn.CUDAGraphRunner(compiled, cfg, kv, max_batch_size=64, mode=M.FULL_AND_PIECEWISE,
+                                   max_model_len=2048, show_progress=False)
+    runner.capture()
+    _sync()
+    t_capture = time.perf_counter() - t
+
+    t = time.perf_counter()
+    ids1, pos1, cm = decode_batch(kv, 1, 100)
+    with torch.no_grad():
+        token = int(model.compute_logits(runner(ids1, pos1, cm)).argmax(-1)[0])
+    t_first = time.perf_counter() - t
+    c = compiled.backend.counter
+    print(json.dumps({
+        "layers": args.child_layers, "import_s": t_import, "build_s": t_build, "compile_s": t_compile,
+        "capture_total_s": t_capture, "capture_s": runner.stats.get("capture_seconds"),
+        "capture_warmup_s": runner.stats.get("warmup_seconds"),
+        "graph_mib": (runner.stats.get("graph_memory_bytes") or 0) / 2**20,
+        "first_step_s": t_first, "ttft_s": time.perf_counter() - _T0, "mode": runner.mode.name,
+        "num_sizes": len(runner.sizes), "inductor_compiles": c.num_inductor_compiles,
+        "piece_reuses": c.num_piece_reuses, "token": token,
+    }))
+
+
+def run_coldstart(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    rows = payload.setdefault("coldstart_rows", [])
+    for layers in common.progress(args.layers, desc="cold start"):
+        with tempfile.TemporaryDirectory(prefix="vattn-coldstart-") as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
+            for phase in ("cold", "warm"):
+                cmd = [sys.executable, __file__, "--child-layers", str(layers), "--device", DEV["device"],
+                       "--preset", DEV["preset"]]
+                if args.backend:
+                    cmd += ["--backend", args.backend]
+                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+                lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+                if res.returncode != 0 or not lines:
+                    rows.append({"layers": layers, "phase": phase, "error": res.stderr[-2000:]})
+                    continue
+                rows.append({"phase": phase, **json.loads(lines[-1])})
+        common.write_results("compile", _payload_for_write(payload))
+    by = {(r.get("layers"), r.get("phase")): r for r in rows if "error" not in r}
+    lo, hi = min(args.layers), max(args.layers)
+    if (lo, "cold") in by and (hi, "cold") in by:
+        payload["summary"]["compile_ratio_%d_vs_%d" % (hi, lo)] = by[(hi, "cold")]["compile_s"] / by[(lo, "cold")]["compile_s"]
+
+
+def _payload_for_write(payload: dict[str, Any]) -> dict[str, Any]:
+    rows = [{"part": "decode", **r} for r in payload.get("decode_rows", [])]
+    rows += [{"part": "coldstart", **r} for r in payload.get("coldstart_rows", [])]
+    return {"rows": rows, "summary": payload["summary"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("decode", "coldstart"), default=None)
+    p.add_argument("--backend", default=None, help="force an attention backend (e.g. FLASH_ATTN, TRITON_ATTN)")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per request in the decode part")
+    p.add_argument("--decode-layers", type=int, default=16, help="layers of the decode-part model (1B: 16)")
+    p.add_argument("--layers", type=int, nargs="+", default=[4, 32], help="layer counts for the cold start")
+    p.add_argument("--child-timeout", type=float, default=280.0, help="seconds per cold-start process")
+    p.add_argument("--quick", action="store_true", help="batch 1 and 8 only, shorter timing")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (with --preset tiny)")
+    p.add_argument("--preset", default="llama-3.2-1b", help="model shape from examples/model.py PRESETS")
+    p.add_argument("--child-layers", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    DEV.update(device=args.device, preset=args.preset)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_compile needs a CUDA GPU (or --device cpu --preset tiny for a smoke run).", file=sys.stderr)
+        return 1
+    if args.child_layers is not None:
+        coldstart_child(args)
+        return 0
+    payload: dict[str, Any] = {"summary": {"context": args.context}}
+    if args.only in (None, "decode"):
+        run_decode(args, payload)
+        path = common.write_results("compile", _payload_for_write(payload))
+        print(f"decode part written to {path}", file=sys.stderr)
+    if args.only in (None, "coldstart"):
+        run_coldstart(args, payload)
+    path = common.write_results("compile", _payload_for_write(payload))
+    for r in _payload_for_write(payload)["rows"]:
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "error"})
+    print(f"written to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

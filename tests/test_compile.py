@@ -1,0 +1,390 @@
+"""vattn.compile on CPU: the split, piecewise Inductor compile vs eager, no recompiles,
+identical pieces compiled once, the pass manager and its passes.
+
+One Inductor-compiled 4-layer model is shared by the tests (module fixture); structural
+tests use ``use_inductor=False`` (Dynamo only), which is fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vattn
+from vattn.compile_passes.backend import VattnCompiledModel, compilation_counter, piece_key
+from vattn.compile_passes.pass_manager import PostGradPassManager, VattnPass, get_pass_class
+
+H, NH, NKV, D, VOCAB = 32, 2, 1, 16, 64
+ATTN_OP = "vattn::unified_attention_with_output"
+
+
+class TinyLayer(nn.Module):
+    def __init__(self, i: int, attn_backend: object = None, head_size: int = D) -> None:
+        super().__init__()
+        self.d = d = head_size
+        self.norm1, self.norm2 = nn.RMSNorm(H), nn.RMSNorm(H)
+        self.qkv = nn.Linear(H, (NH + 2 * NKV) * d, bias=False)
+        self.o = nn.Linear(NH * d, H, bias=False)
+        self.up, self.down = nn.Linear(H, 2 * H, bias=False), nn.Linear(2 * H, H, bias=False)
+        self.attn = vattn.Attention(
+            NH, d, d**-0.5, num_kv_heads=NKV, prefix=f"layers.{i}.attn", attn_backend=attn_backend  # type: ignore[arg-type]
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.d
+        q, k, v = self.qkv(self.norm1(x)).split([NH * d, NKV * d, NKV * d], dim=-1)
+        k = k.reshape(t, NKV, d)  # reshape of a non-contiguous split, as RoPE code does
+        rot = torch.cos(positions[:, None].to(x.dtype) * 0.1)  # position-dependent, like RoPE
+        x = x + self.o(self.attn(q * rot, (k * rot[:, None]).reshape(t, NKV * d), v))
+        return x + self.down(F.silu(self.up(self.norm2(x))))
+
+
+class TinyModel(nn.Module):
+    def __init__(self, num_layers: int, attn_backend: object = None, head_size: int = D) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, H)
+        self.layers = nn.ModuleList(TinyLayer(i, attn_backend, head_size) for i in range(num_layers))
+        self.norm = nn.RMSNorm(H)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+def build(
+    num_layers: int,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attn_backend: object = None,
+    head_size: int = D,
+    block_size: int = 8,
+    **compilation: object,
+) -> tuple[TinyModel, vattn.VattnConfig, vattn.PagedKVCache]:
+    """A TinyModel of ``num_layers`` (seeded weights), its config and a 64-block KV cache."""
+    cfg = vattn.VattnConfig(
+        cache=vattn.CacheConfig(block_size=block_size),
+        compilation=vattn.CompilationConfig(**compilation),  # type: ignore[arg-type]
+    )
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the layers record the model dtype at construction
+    try:
+        with vattn.set_current_vattn_config(cfg):
+            model = TinyModel(num_layers, attn_backend, head_size).eval().to(device)
+    finally:
+        torch.set_default_dtype(old)
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=64, device=device, dtype=dtype)
+    return model, cfg, kv
+
+
+class Batches:
+    """Random steps where sequences grow (decode), finish, and new ones join (prefill)."""
+
+    def __init__(self, kv: vattn.PagedKVCache, seed: int = 0, max_reqs: int = 5) -> None:
+        self.kv, self.rng, self.max_reqs = kv, random.Random(seed), max_reqs
+        self.reqs: list[dict] = []  # {"len": cached tokens, "blocks": [...]}
+        self.free = list(range(1, kv.num_blocks))
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, vattn.CommonAttentionMetadata]:
+        rng = self.rng
+        for r in [r for r in self.reqs if r["len"] > 40 or rng.random() < 0.1]:  # finish
+            self.free += r["blocks"]
+            self.reqs.remove(r)
+        decodes = [(r, 1) for r in self.reqs]
+        new = []
+        while len(self.reqs) + len(new) < self.max_reqs and (not self.reqs or rng.random() < 0.3):
+            new.append(({"len": 0, "blocks": []}, rng.randint(1, 9)))
+            if len(new) >= 2:
+                break
+        batch = decodes + new
+        bs = self.kv.block_size
+        for r, q in batch:
+            while len(r["blocks"]) * bs < r["len"] + q:
+                r["blocks"].append(self.free.pop())
+        common = self.kv.common_metadata([q for _, q in batch], [r["len"] for r, _ in batch], [r["blocks"] for r, _ in batch])
+        positions = torch.cat([torch.arange(r["len"], r["len"] + q) for r, q in batch])
+        ids = torch.randint(0, VOCAB, (positions.shape[0],), generator=torch.Generator().manual_seed(rng.randint(0, 99)))
+        device = common.query_start_loc.device
+        ids, positions = ids.to(device), positions.to(device)
+        for r, q in batch:
+            r["len"] += q
+        self.reqs += [r for r, _ in new]
+        return ids, positions, common
+
+
+def run(model, cfg, kv, ids, positions, common) -> torch.Tensor:
+    with vattn.set_forward_context(kv.build_metadata(common), cfg), torch.no_grad():
+        return model(ids, positions)
+
+
+@pytest.fixture(scope="module")
+def compiled4(tmp_path_factory):
+    """A 4-layer model compiled with Inductor (caches off so the pass manager really runs)."""
+    dump = tmp_path_factory.mktemp("dump")
+    model, cfg, kv = build(4, passes=("noop_elimination",), debug_dump_path=str(dump))
+    compiled = vattn.compile(model, cfg)
+    ids, positions, common = Batches(kv, seed=1).step()
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        run(compiled, cfg, kv, ids, positions, common)
+    return model, cfg, kv, compiled, dump
+
+
+def test_split_puts_each_attention_op_alone(compiled4) -> None:
+    *_, compiled, _ = compiled4
+    items = compiled.backend.items
+    assert [i.is_splitting for i in items] == [False, True] * 4 + [False]
+    for item in items:
+        targets = [n.target for n in item.graph.graph.nodes if n.op == "call_function"]
+        attn = [t for t in targets if isinstance(t, torch._ops.OpOverloadPacket) and t._qualified_op_name == ATTN_OP
+                or isinstance(t, torch._ops.OpOverload) and t._schema.name == ATTN_OP]
+        if item.is_splitting:
+            assert len(targets) == 1 and len(attn) == 1
+        else:
+            assert attn == [] and targets
+    c = compiled.backend.counter
+    assert (c.num_graphs_seen, c.num_pieces, c.num_splitting_ops) == (1, 5, 4)
+
+
+def test_identical_pieces_compiled_once(compiled4) -> None:
+    *_, compiled, dump = compiled4
+    backend = compiled.backend
+    # first piece (embed + layer 0 pre-attention), 3 identical middle pieces, last piece.
+    assert backend.counter.num_inductor_compiles == 3
+    assert backend.counter.num_piece_reuses == 2
+    fns = [p.fn for p in backend.pieces]
+    assert fns[1] is fns[2] is fns[3] and fns[0] is not fns[1] and fns[4] is not fns[1]
+    # the pass manager ran as Inductor's post-grad pass for each compile, dumping graphs
+    pm = backend.pass_manager
+    assert pm.num_calls == 3
+    assert len(list(dump.glob("*_00_before.py"))) == 3
+    assert len(list(dump.glob("*_01_after_noop_elimination.py"))) == 3
+    assert compilation_counter.num_inductor_compiles >= 3
+
+
+@pytest.mark.parametrize("num_layers", [2, 6])
+def test_unique_pieces_do_not_grow_with_depth(num_layers: int) -> None:
+    model, cfg, kv = build(num_layers, use_inductor=False)
+    compiled = vattn.compile(model, cfg)
+    ids, positions, common = Batches(kv).step()
+    out = run(compiled, cfg, kv, ids, positions, common)
+    backend = compiled.backend
+    assert backend.num_unique_pieces == 3
+    assert backend.counter.num_piece_reuses == num_layers - 2
+    assert torch.isfinite(out).all()
+
+
+def test_piecewise_compile_matches_eager(compiled4) -> None:
+    model, cfg, kv, compiled, _ = compiled4
+    batches = Batches(kv, seed=2)
+    for _ in range(6):
+        ids, positions, common = batches.step()
+        saved = {k: t.clone() for k, t in kv.tensors.items()}
+        got = run(compiled, cfg, kv, ids, positions, common)
+        for k, t in kv.tensors.items():
+            t.copy_(saved[k])
+        want = run(model, cfg, kv, ids, positions, common)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_no_recompiles_over_50_steps(compiled4) -> None:
+    _, cfg, kv, compiled, _ = compiled4
+    batches = Batches(kv, seed=3)
+    sizes = set()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(50):
+            ids, positions, common = batches.step()
+            sizes.add(ids.shape[0])
+            run(compiled, cfg, kv, ids, positions, common)
+        # a single-token step too (no 0/1 specialisation)
+        kv1 = kv.common_metadata([1], [3], [[5]])
+        run(compiled, cfg, kv, torch.tensor([7]), torch.tensor([3]), kv1)
+    assert len(sizes) > 5
+    assert compiled.backend.counter.num_graphs_seen == 1
+
+
+def test_first_call_with_one_token_stays_dynamic() -> None:
+    model, cfg, kv = build(2, use_inductor=False)
+    compiled = vattn.compile(model, cfg)
+    for i, n in enumerate((1, 5, 1, 12)):
+        # Other tests' TinyModels share this forward's code object: only compiles after
+        # the first one of this model are recompiles.
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            common = kv.common_metadata([n], [0], [[1, 2]])
+            run(compiled, cfg, kv, torch.randint(0, VOCAB, (n,)), torch.arange(n), common)
+    assert compiled.backend.counter.num_graphs_seen == 1
+
+
+def test_backed_fallback_mode_serves_sizes_above_one() -> None:
+    model, cfg, kv = build(2, use_inductor=False)
+    compiled = vattn.compile(model, cfg, dynamic="backed")
+    for i, n in enumerate((5, 2, 12)):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            common = kv.common_metadata([n], [0], [[1, 2]])
+            ids = torch.randint(0, VOCAB, (n,))
+            got = run(compiled, cfg, kv, ids, torch.arange(n), common)
+        torch.testing.assert_close(got, run(model, cfg, kv, ids, torch.arange(n), common))
+    assert compiled.backend.counter.num_graphs_seen == 1
+
+
+def test_compile_errors_and_forwarding() -> None:
+    model, cfg, _ = build(2, use_inductor=False)
+    with pytest.raises(TypeError, match="nn.Module"):
+        vattn.compile(lambda x: x, cfg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="VattnConfig"):
+        vattn.compile(model, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dynamic"):
+        vattn.compile(model, cfg, dynamic="sometimes")
+    compiled = vattn.compile(model, cfg)
+    assert isinstance(compiled, VattnCompiledModel) and compiled.layers is model.layers
+    with pytest.raises(ValueError, match="noop_elimination"):
+        get_pass_class("no_such_pass")
+
+
+def test_piece_key_ignores_names_but_not_constants() -> None:
+    def graph(scale: float, name: str) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        x = g.placeholder(name)
+        g.output(g.call_function(torch.mul, (x, scale)))
+        return torch.fx.GraphModule(nn.Module(), g)
+
+    x = torch.randn(3)
+    assert piece_key(graph(2.0, "a"), [x]) == piece_key(graph(2.0, "b"), [x])
+    assert piece_key(graph(2.0, "a"), [x]) != piece_key(graph(3.0, "a"), [x])
+    assert piece_key(graph(2.0, "a"), [x]) != piece_key(graph(2.0, "a"), [torch.randn(4)])
+
+
+# ---- the pass manager --------------------------------------------------------------------
+
+_PASS_SRC = '''
+import torch
+from vattn.compile_passes.pass_manager import VattnPass
+
+class CountAdds(VattnPass):
+    name = "count_adds"
+    def apply(self, graph):
+        return sum(n.target is torch.ops.aten.add.Tensor for n in graph.nodes){extra}
+'''
+
+
+def _load_pass(tmp_path, extra: str) -> type[VattnPass]:
+    path = tmp_path / "vattn_tmp_pass.py"
+    path.write_text(textwrap.dedent(_PASS_SRC.format(extra=extra)))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sys.modules.pop("vattn_tmp_pass", None)
+        return importlib.import_module("vattn_tmp_pass").CountAdds
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_pass_manager_uuid_tracks_pass_source_options_and_order(tmp_path) -> None:
+    a = _load_pass(tmp_path, "")
+    pm_a = PostGradPassManager([a()])
+    uuid_a = pm_a.uuid()
+    assert uuid_a == PostGradPassManager([a()]).uuid()  # deterministic
+    b = _load_pass(tmp_path, " + 0")  # the pass's source changed
+    assert PostGradPassManager([b()]).uuid() != uuid_a
+    assert PostGradPassManager([a(threshold=2)]).uuid() != uuid_a  # options
+    noop = get_pass_class("noop_elimination")
+    assert PostGradPassManager([a(), noop()]).uuid() != PostGradPassManager([noop(), a()]).uuid()
+
+    # it runs the passes in order and counts matches
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: (x + 1) + 2)(torch.randn(2))
+    pm = PostGradPassManager([a()])
+    pm(gm.graph)
+    assert pm.matches == {"count_adds": 2} and pm.num_calls == 1
+    with pytest.raises(TypeError, match="VattnPass"):
+        PostGradPassManager([lambda g: None])  # type: ignore[list-item]
+
+
+def test_noop_elimination_counts_and_keeps_numerics() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        y = x.view(n, 4, 8).view(n, 32)  # chain back to the same shape
+        z = y.reshape(n, 32)[:, :]  # no-op reshape and slice
+        return (z * 2).view(n, 2, 16)
+
+    x = torch.randn(5, 32)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="symbolic")(x)
+
+    def views(g: torch.fx.GraphModule) -> int:
+        ops = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.slice.Tensor)
+        return sum(n.target in ops for n in g.graph.nodes)
+
+    before = views(gm)
+    p = get_pass_class("noop_elimination")()
+    matches = p(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert matches == 4 and before == 5 and views(gm) == 1
+    torch.testing.assert_close(gm(x), f(x))
+    torch.testing.assert_close(gm(torch.randn(7, 32)).shape, torch.Size([7, 2, 16]))
+
+
+def test_defunctionalize_removes_auto_functionalized_and_copies() -> None:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+
+    seen: dict[str, object] = {}
+
+    def fw(gm: torch.fx.GraphModule, _inputs: object) -> torch.fx.GraphModule:
+        hops = (auto_functionalized, auto_functionalized_v2)
+        count = lambda: sum(n.target in hops for n in gm.graph.nodes)  # noqa: E731
+        seen["before"] = count()
+        p = get_pass_class("defunctionalize")()
+        seen["matches"] = p(gm.graph)
+        gm.recompile()
+        seen["after"] = count()
+        seen["clones"] = sum(n.target in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default) for n in gm.graph.nodes)
+        return gm
+
+    def f(key, value, kv, slots, scale):
+        key_cache, value_cache = kv.unbind(0)
+        torch.ops.vattn.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", scale, scale)
+        return kv.sum(dim=(1, 2))
+
+    kv, kv_ref = torch.zeros(2, 4, 2, 2, 8), torch.zeros(2, 4, 2, 2, 8)
+    key, value, slots, scale = torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.tensor([0, 5, -1]), torch.tensor(1.0)
+    got = torch.compile(f, backend=aot_autograd(fw_compiler=fw), fullgraph=True)(key, value, kv, slots, scale)
+    want = f(key, value, kv_ref, slots, scale)
+    assert seen == {"before": 1, "matches": 1, "after": 0, "clones": 0}
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kv, kv_ref)
+
+
+def test_passes_run_inside_inductor_on_an_unsplit_graph(tmp_path) -> None:
+    """splitting_ops=(): attention stays in the one graph; defunctionalize removes its copies."""
+    model, cfg, kv = build(2, splitting_ops=(), passes=("noop_elimination", "defunctionalize"),
+                           debug_dump_path=str(tmp_path))
+    compiled = vattn.compile(model, cfg)
+    batches = Batches(kv, seed=4)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    for i in range(3):
+        ids, positions, common = batches.step()
+        saved = {k: t.clone() for k, t in kv.tensors.items()}
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            got = run(compiled, cfg, kv, ids, positions, common)
+        for k, t in kv.tensors.items():
+            t.copy_(saved[k])
+        torch.testing.assert_close(got, run(model, cfg, kv, ids, positions, common), atol=2e-5, rtol=2e-5)
+    assert compiled.backend.counter.num_splitting_ops == 0 and compiled.backend.counter.num_pieces == 1
+    assert compiled.backend.pass_manager.matches["defunctionalize"] == 2  # one per attention op
+    (before,) = tmp_path.glob("*_00_before.py")
+    (after,) = tmp_path.glob("*_02_after_defunctionalize.py")
+    assert before.read_text().count("auto_functionalized") >= 2
+    assert "auto_functionalized" not in after.read_text() and "unified_attention_with_output" in after.read_text()

@@ -1,0 +1,470 @@
+"""CUDA graphs: the runner's policy and data flow on CPU; capture/replay parity on CUDA.
+
+CPU: capture sizes, bucketing, mode downgrades, the dispatcher, padding (checked against
+``build_common_attn_metadata``'s own padding), the eager fallback, the piecewise address
+check, and the whole capture/replay scenario with CUDA graphs *emulated* (see
+``_emulated_capture``). CUDA (``@pytest.mark.cuda``): for each available backend and mode,
+replay equals eager (bitwise when the batch is exactly a captured size, so the same kernels
+run; within bf16 tolerance when padded) at every captured size and over steps where
+sequences grow, finish and join; a builder that breaks the persistent-buffer contract and a
+replay with inputs at other addresses are caught.
+
+``GRAPH_SAFE_TEST`` is a test-only backend that follows the contract in ``vattn.cudagraph``
+(persistent buffers, ``UNIFORM_SINGLE_TOKEN_DECODE``): it exercises FULL graphs even where
+no GPU kernel library is installed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+import torch
+
+import vattn
+from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
+from vattn.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadataBuilder
+from vattn.compile_passes.piecewise import CUDAGraphPiece, PiecewiseRun, _Entry, piecewise_run, weak_ref_tensor
+from vattn.cudagraph import (
+    BatchDescriptor,
+    CUDAGraphRunner,
+    bucket_size,
+    choose_runtime_mode,
+    pad_common_attn_metadata,
+    resolve_capture_sizes,
+    resolve_cudagraph_mode,
+)
+from vattn.ops.kv_store import store_kv
+
+from test_compile import VOCAB, Batches, build
+
+M = vattn.CUDAGraphMode
+S = AttentionCGSupport
+
+
+# ---- a test backend that follows the full-graph contract ----------------------------------
+
+
+@dataclass
+class DecodeMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    seq_lens: torch.Tensor  # (B,) view of a persistent buffer
+    block_table: torch.Tensor  # (B, MAX_BLOCKS)
+    slot_mapping: torch.Tensor  # (T,)
+
+
+class GraphSafeBuilder(TorchSDPAMetadataBuilder):
+    """Uniform decode batches go through persistent buffers; the rest to TORCH_SDPA."""
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    MAX_REQS, MAX_BLOCKS = 16, 16
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        n, w, dev = self.MAX_REQS, self.MAX_BLOCKS, self.device
+        self.seq = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(n, w, dtype=torch.int32, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):  # type: ignore[no-untyped-def]
+        cm = common_attn_metadata
+        b, t = cm.num_reqs, cm.slot_mapping.shape[0]
+        if not (cm.max_query_len <= 1 and t == b and b <= self.MAX_REQS):
+            return super().build(common_prefix_len, cm, fast_build)
+        w = cm.block_table_tensor.shape[1]
+        self.seq[:b].copy_(cm.seq_lens[:b])
+        self.table[:b, :w].copy_(cm.block_table_tensor[:b])
+        self.slots[:t].copy_(cm.slot_mapping[:t])
+        return DecodeMetadata(cm.num_actual_tokens, self.seq[:b], self.table[:b], self.slots[:t])
+
+
+class BadBuilder(GraphSafeBuilder):
+    """Breaks the contract: returns fresh tensors instead of views of its buffers."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):  # type: ignore[no-untyped-def]
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if isinstance(md, DecodeMetadata):
+            md.seq_lens = md.seq_lens.clone()
+        return md
+
+
+class GraphSafeImpl(TorchSDPAImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None):  # type: ignore[no-untyped-def]
+        md = attn_metadata
+        if not isinstance(md, DecodeMetadata):
+            return super().forward(layer, query, key, value, kv_cache, md, output, output_scale)
+        key_cache, value_cache = kv_cache.unbind(0)
+        store_kv(key, value, key_cache, value_cache, md.slot_mapping, self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+        b, g = md.seq_lens.shape[0], self.num_queries_per_kv
+        table = md.block_table.long()
+        k = key_cache[table].flatten(1, 2).float().repeat_interleave(g, dim=2)  # (B, L, H, D)
+        v = value_cache[table].flatten(1, 2).float().repeat_interleave(g, dim=2)
+        valid = torch.arange(k.shape[1], device=k.device)[None, :] < md.seq_lens[:, None]
+        s = torch.einsum("bhd,blhd->bhl", query[:b].float(), k) * self.scale
+        p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num()
+        output[:b] = torch.einsum("bhl,blhd->bhd", p, v).to(output.dtype)
+        return output
+
+
+class GraphSafeBackend(TorchSDPABackend):
+    @staticmethod
+    def get_name() -> str:
+        return "GRAPH_SAFE_TEST"
+
+    @staticmethod
+    def get_impl_cls():  # type: ignore[no-untyped-def]
+        return GraphSafeImpl
+
+    @staticmethod
+    def get_builder_cls():  # type: ignore[no-untyped-def]
+        return GraphSafeBuilder
+
+
+class BadBackend(GraphSafeBackend):
+    @staticmethod
+    def get_builder_cls():  # type: ignore[no-untyped-def]
+        return BadBuilder
+
+
+# ---- CPU: pure policy ---------------------------------------------------------------------
+
+
+def test_capture_sizes_and_buckets() -> None:
+    cfg = vattn.VattnConfig()
+    assert resolve_capture_sizes(cfg, 20) == (1, 2, 4, 8, 16, 20)
+    assert resolve_capture_sizes(cfg, 32) == (1, 2, 4, 8, 16, 24, 32)
+    assert resolve_capture_sizes(cfg, 16, [8, 1, 32, 8]) == (1, 8)
+    assert resolve_capture_sizes(cfg)[:5] == (1, 2, 4, 8, 16) and resolve_capture_sizes(cfg)[-1] == 256
+    with pytest.raises(ValueError, match="capture_sizes"):
+        resolve_capture_sizes(cfg, None, [0, 4])
+    sizes = (1, 2, 4, 8, 16)
+    assert [bucket_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
+
+
+@pytest.mark.parametrize(
+    "requested, support, piecewise, expected",
+    [
+        (M.PIECEWISE, S.NEVER, True, M.PIECEWISE),
+        (M.PIECEWISE, S.ALWAYS, False, M.NONE),
+        (M.FULL, S.ALWAYS, False, M.FULL),
+        (M.FULL, S.NEVER, True, M.PIECEWISE),
+        (M.FULL, S.NEVER, False, M.NONE),
+        (M.FULL, S.UNIFORM_SINGLE_TOKEN_DECODE, True, M.FULL_AND_PIECEWISE),
+        (M.FULL, S.UNIFORM_BATCH, False, M.FULL_DECODE_ONLY),
+        (M.FULL_DECODE_ONLY, S.NEVER, True, M.NONE),
+        (M.FULL_DECODE_ONLY, S.UNIFORM_SINGLE_TOKEN_DECODE, False, M.FULL_DECODE_ONLY),
+        (M.FULL_AND_PIECEWISE, S.NEVER, True, M.PIECEWISE),
+        (M.FULL_AND_PIECEWISE, S.UNIFORM_SINGLE_TOKEN_DECODE, False, M.FULL_DECODE_ONLY),
+        (M.FULL_AND_PIECEWISE, S.ALWAYS, True, M.FULL_AND_PIECEWISE),
+    ],
+)
+def test_mode_downgrades_with_reasons(requested, support, piecewise, expected) -> None:
+    mode, why = resolve_cudagraph_mode(requested, on_cuda=True, support=support, backends="B", has_piecewise=piecewise)
+    assert mode is expected
+    assert bool(why) == (mode is not requested)
+    assert resolve_cudagraph_mode(requested, on_cuda=False, support=support, has_piecewise=piecewise)[0] is M.NONE
+
+
+@pytest.mark.parametrize(
+    "mode, captured, decode, full_ok, expected",
+    [
+        (M.FULL_AND_PIECEWISE, True, True, True, M.FULL),
+        (M.FULL_AND_PIECEWISE, True, True, False, M.PIECEWISE),
+        (M.FULL_AND_PIECEWISE, True, False, True, M.PIECEWISE),
+        (M.FULL_AND_PIECEWISE, False, True, True, M.NONE),
+        (M.FULL_DECODE_ONLY, True, False, True, M.NONE),
+        (M.FULL_DECODE_ONLY, True, True, True, M.FULL),
+        (M.FULL, True, False, True, M.FULL),
+        (M.FULL, True, False, False, M.NONE),
+        (M.PIECEWISE, True, True, True, M.PIECEWISE),
+        (M.NONE, True, True, True, M.NONE),
+    ],
+)
+def test_dispatcher_prefers_full_then_piecewise_then_eager(mode, captured, decode, full_ok, expected) -> None:
+    assert choose_runtime_mode(mode, captured=captured, uniform_decode=decode, full_ok=full_ok) is expected
+
+
+@pytest.mark.parametrize(
+    "qlens, computed, t_pad, b_pad",
+    [([1, 1, 1], [4, 9, 17], 8, 8), ([1, 1, 5], [4, 9, 0], 8, None), ([2, 3], [0, 7], 8, 4), ([1], [3], 1, 1)],
+)
+def test_padding_matches_build_common_attn_metadata(qlens, computed, t_pad, b_pad) -> None:
+    tables = [[1, 2], [3, 7], [4, 5, 6]][: len(qlens)]
+    common = vattn.build_common_attn_metadata(qlens, computed, tables, 8)
+    want = vattn.build_common_attn_metadata(qlens, computed, tables, 8, num_tokens_padded=t_pad, num_reqs_padded=b_pad)
+    got = pad_common_attn_metadata(common, t_pad, b_pad)
+    for f in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu", "num_computed_tokens_cpu",
+              "block_table_tensor", "slot_mapping"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    for f in ("num_reqs", "num_actual_tokens", "max_query_len", "causal"):
+        assert getattr(got, f) == getattr(want, f), f
+    with pytest.raises(ValueError, match="at least"):
+        pad_common_attn_metadata(common, sum(qlens) - 1)
+
+
+def _runner_on_cpu(mode: vattn.CUDAGraphMode, full_ok: bool = True) -> CUDAGraphRunner:
+    model, cfg, kv = build(1, use_inductor=False)
+    runner = CUDAGraphRunner(model, cfg, kv, max_batch_size=8, mode=mode, show_progress=False)
+    assert runner.mode is M.NONE and runner.downgrade_reasons  # no CUDA here
+    runner.mode = mode  # exercise the dispatcher as if on a GPU
+    runner.kv = SimpleNamespace(can_run_in_cudagraph=lambda common: full_ok)
+    return runner
+
+
+def test_runner_dispatch_pads_and_chooses() -> None:
+    runner = _runner_on_cpu(M.FULL_AND_PIECEWISE)
+    decode = vattn.build_common_attn_metadata([1] * 3, [5, 6, 7], [[1], [2], [3]], 8)
+    bd, padded = runner.dispatch(decode)
+    assert bd == BatchDescriptor(M.FULL, 4, 4, True) and padded.slot_mapping.tolist()[3] == -1
+    mixed = vattn.build_common_attn_metadata([1, 4], [5, 0], [[1], [2]], 8)
+    bd, padded = runner.dispatch(mixed)
+    assert bd == BatchDescriptor(M.PIECEWISE, 8, 2, False) and padded.num_reqs == 2
+    big = vattn.build_common_attn_metadata([9], [0], [[1, 2]], 8)
+    assert runner.dispatch(big)[0].mode is M.NONE  # larger than every capture size
+    runner = _runner_on_cpu(M.FULL_AND_PIECEWISE, full_ok=False)
+    assert runner.dispatch(decode)[0].mode is M.PIECEWISE
+
+
+def test_runner_on_cpu_runs_eagerly() -> None:
+    model, cfg, kv = build(2, use_inductor=False)
+    runner = CUDAGraphRunner(model, cfg, kv, max_batch_size=8, mode=M.FULL_AND_PIECEWISE, show_progress=False)
+    assert runner.mode is M.NONE and "CUDA device" in runner.downgrade_reasons[0]
+    ids, positions, common = Batches(kv).step()
+    saved = {k: t.clone() for k, t in kv.tensors.items()}
+    got = runner(ids, positions, common)
+    for k, t in kv.tensors.items():
+        t.copy_(saved[k])
+    with vattn.set_forward_context(kv.build_metadata(common), cfg), torch.no_grad():
+        want = model(ids, positions)
+    assert torch.equal(got, want) and runner.last_batch_descriptor.mode is M.NONE
+    with pytest.raises(ValueError, match="must agree"):
+        runner(ids[:-1], positions, common)
+
+
+def test_piece_detects_inputs_at_other_addresses() -> None:
+    piece = CUDAGraphPiece(lambda x, n: x * 2, 3, "submod_3")
+    owner, x = 7, torch.randn(4)
+    out = torch.randn(4)
+    piece.graphs[(owner, 4)] = _Entry(SimpleNamespace(replay=lambda: None), out, [x.data_ptr(), None])
+    with piecewise_run(PiecewiseRun(owner, 4, check_addresses=True)):
+        assert piece(x, 4) is out  # replayed: returns the captured output
+        with pytest.raises(RuntimeError, match="fixed addresses"):
+            piece(x.clone(), 4)
+    with piecewise_run(PiecewiseRun(owner, 2)):
+        assert torch.equal(piece(x, 2), x * 2)  # size never captured: eager
+    assert torch.equal(piece(x, 4), x * 2)  # outside a run: eager
+    assert piece.release(owner) == 1 and not piece.graphs
+    assert weak_ref_tensor(x) is x  # CPU tensors are returned as is
+
+
+# ---- capture and replay: on CUDA, and emulated on CPU ------------------------------------
+#
+# The emulation swaps ``capture_graph`` for one whose "graph" re-runs the captured Python
+# on replay (with the capture-time forward context and argument objects) and copies the
+# result into the captured outputs. That is CUDA-graph semantics at the level the runner
+# controls: replays read persistent buffers and capture-time metadata objects, write the
+# captured outputs, and see Python scalars frozen at capture. It checks the runner's data
+# flow (padding, buffers, metadata updates, dispatch) on machines without a GPU.
+
+SIZES = (1, 2, 4, 8)
+MODES = [M.PIECEWISE, M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE]
+# head size 64 and block size 16: what every GPU kernel library accepts
+CUDA_MODEL = dict(device="cuda", dtype=torch.bfloat16, head_size=64, block_size=16)
+CPU_MODEL = dict(device="cpu", dtype=torch.float32, block_size=16, use_inductor=False)
+
+
+class _EmulatedGraph:
+    def __init__(self, replay) -> None:  # type: ignore[no-untyped-def]
+        self.replay = replay
+
+
+def _emulated_capture(fn, pool):  # type: ignore[no-untyped-def]
+    from vattn.forward_context import _forward_context
+
+    ctx = _forward_context[-1] if _forward_context else None
+    out = fn()
+
+    def replay() -> None:
+        if ctx is not None:
+            _forward_context.append(ctx)
+        try:
+            with torch.no_grad():
+                new = fn()
+        finally:
+            if ctx is not None:
+                _forward_context.pop()
+        for o, n in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(new)):
+            if isinstance(o, torch.Tensor):
+                o.copy_(n)
+
+    return _EmulatedGraph(replay), out
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """CUDA graphs emulated on CPU (see above); the runner believes it is on a GPU."""
+    import vattn.compile_passes.piecewise as piecewise
+    import vattn.cudagraph as cudagraph
+
+    real = cudagraph.resolve_cudagraph_mode
+    monkeypatch.setattr(cudagraph, "resolve_cudagraph_mode", lambda r, **kw: real(r, **{**kw, "on_cuda": True}))
+    monkeypatch.setattr(piecewise, "capture_graph", _emulated_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+
+
+def _backend(name: str) -> type:
+    if name == "GRAPH_SAFE_TEST":
+        return GraphSafeBackend
+    try:
+        cls = vattn.AttentionBackendEnum[name].get_class()
+    except Exception as e:  # noqa: BLE001  (not importable here)
+        pytest.skip(f"{name}: {e}")
+    ok, why = cls.is_available()
+    if not ok:
+        pytest.skip(f"{name}: {why}")
+    return cls
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(backend name, device) -> (model, cfg, kv, compiled); compiled once each."""
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(name: str, device: str = "cuda") -> tuple:
+        if (name, device) not in cache:
+            spec = CUDA_MODEL if device == "cuda" else CPU_MODEL
+            model, cfg, kv = build(2, attn_backend=_backend(name), **spec)  # type: ignore[arg-type]
+            compiled = vattn.compile(model, cfg)
+            common = kv.common_metadata([3], [0], [[1]])
+            with vattn.set_forward_context(kv.build_metadata(common), cfg):  # compile now
+                compiled(torch.zeros(3, dtype=torch.long, device=device), torch.arange(3, device=device))
+            cache[(name, device)] = (model, cfg, kv, compiled)
+        return cache[(name, device)]
+
+    return get
+
+
+def _eager(model, cfg, kv, ids, positions, common) -> torch.Tensor:
+    with vattn.set_forward_context(kv.build_metadata(common), cfg), torch.no_grad():
+        return model(ids, positions)
+
+
+def _compare(runner, model, cfg, kv, ids, positions, common, where: str) -> None:
+    saved = {k: t.clone() for k, t in kv.tensors.items()}
+    got = runner(ids, positions, common).clone()
+    bd = runner.last_batch_descriptor
+    for k, t in kv.tensors.items():
+        t.copy_(saved[k])
+    want = _eager(model, cfg, kv, ids, positions, common)
+    t = ids.shape[0]
+    if bd.mode is not M.NONE and bd.num_tokens == t:  # same sizes: the same kernels ran
+        diff = (got.float() - want.float()).abs().max().item()
+        assert torch.equal(got, want), f"{where}: {bd} not bitwise equal to eager (max diff {diff})"
+    else:
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=lambda m: f"{where}: {bd}: {m}")
+
+
+def _decode_batch(kv, n: int, rng: random.Random):
+    """n decode requests with random context over distinct blocks (cache contents as they are)."""
+    blocks = list(range(1, kv.num_blocks))
+    rng.shuffle(blocks)
+    computed = [rng.randint(1, 30) for _ in range(n)]
+    tables = [[blocks.pop() for _ in range(-(-(c + 1) // kv.block_size))] for c in computed]
+    common = kv.common_metadata([1] * n, computed, tables)
+    device = common.query_start_loc.device
+    ids = torch.tensor([rng.randrange(VOCAB) for _ in range(n)], device=device)
+    return ids, torch.tensor(computed, device=device), common
+
+
+def _scenario(backend: str, mode: vattn.CUDAGraphMode, model, cfg, kv, where: str) -> None:
+    """Replay equals eager at every captured size and over steps where sequences grow, finish, join."""
+    runner = CUDAGraphRunner(model, cfg, kv, capture_sizes=SIZES, mode=mode, max_model_len=128, show_progress=False)
+    try:
+        runner.capture()
+        if runner.mode is not M.NONE:
+            assert runner.stats["graph_memory_bytes"] >= 0 and runner.stats["capture_seconds"] > 0
+        rng, seen = random.Random(0), set()
+        where = f"{where}/{backend}/{mode.name}->{runner.mode.name}"
+        for n in SIZES:  # every captured size exactly (bitwise), and padded from n - 1
+            for m in sorted({n, max(n - 1, 1)}):
+                _compare(runner, model, cfg, kv, *_decode_batch(kv, m, rng), f"{where}/decode {m}")
+                seen.add(runner.last_batch_descriptor.mode)
+        dev = runner.device
+        for q in (3, 12):  # a prefill that fits a capture size, one that does not
+            common = kv.common_metadata([q], [0], [[1 + q]])
+            ids, positions = torch.randint(0, VOCAB, (q,), device=dev), torch.arange(q, device=dev)
+            _compare(runner, model, cfg, kv, ids, positions, common, f"{where}/prefill {q}")
+            seen.add(runner.last_batch_descriptor.mode)
+        batches = Batches(kv, seed=5, max_reqs=6)
+        for step in range(16):  # grow, finish, join
+            _compare(runner, model, cfg, kv, *batches.step(), f"{where}/step {step}")
+            seen.add(runner.last_batch_descriptor.mode)
+        assert M.NONE in seen  # the 12-token prefill
+        if runner.mode in (M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
+            assert M.FULL in seen
+        if runner.mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE):
+            assert M.PIECEWISE in seen
+    finally:
+        runner.release()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "GRAPH_SAFE_TEST"])
+def test_runner_semantics_emulated_on_cpu(backend: str, mode, models, emulated_graphs) -> None:
+    _, cfg, kv, compiled = models(backend, "cpu")
+    _scenario(backend, mode, compiled, cfg, kv, "cpu-emulated")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "GRAPH_SAFE_TEST", "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN"])
+def test_replay_equals_eager(backend: str, mode: vattn.CUDAGraphMode, models) -> None:
+    _, cfg, kv, compiled = models(backend)
+    _scenario(backend, mode, compiled, cfg, kv, "cuda")
+
+
+@pytest.mark.cuda
+def test_full_graph_of_uncompiled_model_and_debug_mode(monkeypatch) -> None:
+    model, cfg, kv = build(2, attn_backend=GraphSafeBackend, **CUDA_MODEL)  # type: ignore[arg-type]
+    monkeypatch.setenv("VATTN_CUDAGRAPH_DEBUG", "1")
+    runner = CUDAGraphRunner(model, cfg, kv, capture_sizes=SIZES, mode=M.FULL, max_model_len=128, show_progress=False)
+    assert runner.mode is M.FULL_DECODE_ONLY  # UNIFORM_SINGLE_TOKEN_DECODE, no pieces
+    rng = random.Random(1)
+    for n in (1, 3, 4, 8):
+        _compare(runner, model, cfg, kv, *_decode_batch(kv, n, rng), f"uncompiled/FULL/decode {n}")
+        assert runner.last_batch_descriptor.mode is M.FULL
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_builder_breaking_the_contract_is_caught(device: str, request) -> None:
+    if device == "cpu":
+        request.getfixturevalue("emulated_graphs")
+    spec = CUDA_MODEL if device == "cuda" else CPU_MODEL
+    model, cfg, kv = build(1, attn_backend=BadBackend, **spec)  # type: ignore[arg-type]
+    runner = CUDAGraphRunner(model, cfg, kv, capture_sizes=(4,), mode=M.FULL_DECODE_ONLY, max_model_len=128,
+                             show_progress=False)
+    with pytest.raises(RuntimeError, match="persistent"):
+        runner(*_decode_batch(kv, 4, random.Random(2)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_piecewise_replay_with_moved_inputs_is_caught(device: str, models, request) -> None:
+    if device == "cpu":
+        request.getfixturevalue("emulated_graphs")
+    _, cfg, kv, compiled = models("TORCH_SDPA", device)
+    runner = CUDAGraphRunner(compiled, cfg, kv, capture_sizes=(4,), mode=M.PIECEWISE, max_model_len=128,
+                             show_progress=False)
+    try:
+        runner.capture()
+        ids, positions, common = _decode_batch(kv, 4, random.Random(3))
+        with vattn.set_forward_context(kv.build_metadata(common), cfg), torch.no_grad():
+            with piecewise_run(PiecewiseRun(runner.key, 4, check_addresses=True)):
+                with pytest.raises(RuntimeError, match="fixed addresses"):
+                    compiled(ids, positions)  # not the runner's persistent buffers
+    finally:
+        runner.release()

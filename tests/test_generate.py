@@ -1,0 +1,90 @@
+"""examples/generate.py runs end to end on CPU (tiny preset) with a few flag combinations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples import generate  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread() -> Iterator[None]:
+    """Tiny shapes: one intra-op thread is as fast, and on a loaded 2-core box (xdist) many times faster."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+SMALL = ["--device", "cpu", "--preset", "tiny", "--num-requests", "3", "--prompt-len", "20",
+         "--output-len", "6", "--max-num-batched-tokens", "16", "--no-progress"]
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--temperature", "0.8", "--top-p", "0.9", "--backend", "TORCH_SDPA", "--block-size", "8"],
+    ["--preset", "tiny-qwen3", "--num-blocks", "10", "--block-size", "4", "--fixed-lengths"],  # forces preemption
+])
+def test_generate_eager(extra: list[str]) -> None:
+    out = generate.main(SMALL + extra)
+    assert out["prefill_tokens"] >= 3 * 10 and out["decode_tokens"] > 0
+    assert out["output_tokens"] >= 3 * 3
+    assert out["decode_tok_s"] > 0 and out["prefill_tok_s"] > 0
+    if "--num-blocks" in extra:
+        assert out["preemptions"] > 0
+
+
+def test_generate_compile_matches_eager() -> None:
+    eager = generate.main(SMALL + ["--fixed-lengths"])
+    compiled = generate.main(SMALL + ["--fixed-lengths", "--compile", "--compile-backend", "aot_eager"])
+    assert compiled["warmup_s"] > 0
+    assert compiled["output_tokens"] == eager["output_tokens"] == 3 * 6
+    assert compiled["outputs"] == eager["outputs"]
+
+
+def test_generate_cudagraph_flag_on_cpu() -> None:
+    """--cudagraph on CPU: the runner falls back to eager (mode NONE) and the tokens are unchanged."""
+    eager = generate.main(SMALL + ["--fixed-lengths"])
+    graphs = generate.main(SMALL + ["--fixed-lengths", "--cudagraph"])
+    assert eager["cudagraph_mode"] == "off" and graphs["cudagraph_mode"] == "NONE"
+    assert graphs["outputs"] == eager["outputs"]
+
+
+def test_generate_cli_from_repo_root() -> None:
+    """`python examples/generate.py` works as a script (no install of examples, no PYTHONPATH)."""
+    r = subprocess.run([sys.executable, "examples/generate.py", *SMALL, "--num-requests", "2", "--threads", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "decode:" in r.stdout and "tok/s" in r.stdout
+
+
+def test_generate_rejects_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        generate.main(SMALL + ["--backend", "NO_SUCH_BACKEND"])
+    assert "TORCH_SDPA" in capsys.readouterr().err
+
+
+def test_bench_e2e_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks/bench_e2e.py runs end to end on CPU (tiny shapes) and writes its JSON, so a GPU run
+    is not the first time its code executes."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_e2e
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    out = bench_e2e.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--batches", "1,2",
+                          "--contexts", "16", "--new-tokens", "4", "--reps", "1",
+                          "--impls", "vattn-eager,hf-eager,hf-static-compile"])
+    (path,) = tmp_path.glob("e2e-*.json")
+    rows = {(r["impl"], r["batch"]) for r in out["rows"] if "ms_per_step" in r}
+    assert {("vattn-eager", 1), ("vattn-eager/loop", 2), ("hf-eager", 2), ("hf-static-compile", 1)} <= rows
+    assert all(r["x_floor"] > 0 for r in out["rows"] if "ms_per_step" in r)
+    assert out["summary"]["partial"] is False and path.stat().st_size > 0

@@ -1,0 +1,572 @@
+"""TRITON_ATTN: the Triton KV-store and unified attention kernels, and the backend around them.
+
+On CPU the kernels run in the Triton interpreter (tiny shapes); ``cuda`` tests run full
+shapes on a GPU and capture CUDA graphs. Everything is compared with the dense float32
+reference of tests/attn_harness.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attn_harness import (
+    BatchSpec,
+    RandomBatch,
+    assert_close,
+    batch_specs,
+    check_cache_untouched,
+    check_cache_written,
+    make_random_batch,
+)
+from vattn.backends.abstract import AttentionCGSupport, AttentionType
+from vattn.backends.utils import AttentionSpec, CommonAttentionMetadata, set_kv_cache_layout
+from vattn.config import CompilationConfig, VattnConfig
+
+pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+_OPS = ("vattn.ops.triton_fp8", "vattn.ops.triton_attention_kernels",
+        "vattn.ops.triton_kv_store", "vattn.ops.triton_unified_attention")
+
+
+def _load_ops() -> dict[str, ModuleType]:
+    """Import the Triton op modules; on CPU with their kernels built for the interpreter.
+
+    ``triton.jit`` decides interpreter vs compiler when a kernel is defined (module import),
+    reading TRITON_INTERPRET; set it for the (re)import only, so other tests see no change.
+    """
+    if HAS_CUDA:
+        return {n: importlib.import_module(n) for n in _OPS}
+    from triton.runtime.interpreter import InterpretedFunction
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = {n: importlib.import_module(n) for n in _OPS}
+        if not isinstance(mods[_OPS[1]]._unified_attention_kernel, InterpretedFunction):
+            mods = {n: importlib.reload(mods[n]) for n in _OPS}  # imported earlier, compiled mode
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mods
+
+
+OPS = _load_ops()
+tua = OPS["vattn.ops.triton_unified_attention"]
+UnifiedAttentionConfig = tua.UnifiedAttentionConfig
+triton_store_kv = OPS["vattn.ops.triton_kv_store"].triton_store_kv
+
+from vattn.backends.triton_attn import (  # noqa: E402
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
+
+# Decodes first, then chunked prefills with context; odd lengths, partial last blocks.
+MIXED = dict(context_lens=(7, 30, 0, 12, 21), query_lens=(1, 1, 9, 6, 17))
+SMALL = dict(num_heads=4, num_kv_heads=2, head_size=32, block_size=16, device=DEV)
+
+
+def _builder(batch: RandomBatch, config: VattnConfig | None = None) -> TritonAttentionMetadataBuilder:
+    spec = batch.spec
+    kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size,
+                            batch.kv_cache.dtype, spec.kv_cache_dtype)
+    return TritonAttentionMetadataBuilder(kv_spec, ["fake.attn"], config or VattnConfig(), torch.device(spec.device))
+
+
+def run(
+    batch: RandomBatch,
+    *,
+    query: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    output_scale: torch.Tensor | None = None,
+    vattn_config: VattnConfig | None = None,
+    **impl_kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build metadata and run one forward; returns (output, cache before the call)."""
+    spec = batch.spec
+    md = _builder(batch, vattn_config).build(0, batch.common)
+    impl = TritonAttentionImpl(spec.num_heads, spec.head_size, scale=spec.head_size**-0.5,
+                               num_kv_heads=spec.num_kv_heads, kv_cache_dtype=spec.kv_cache_dtype,
+                               attn_type=spec.attn_type, **impl_kwargs)  # type: ignore[arg-type]
+    before = batch.kv_cache.clone()
+    out = torch.zeros_like(batch.query) if output is None else output
+    q = batch.query if query is None else query
+    ret = impl.forward(batch.layer, q, batch.key, batch.value, batch.kv_cache, md,  # type: ignore[arg-type]
+                       output=out, output_scale=output_scale)
+    assert ret is out
+    return out, before
+
+
+def check(batch: RandomBatch, *, factor: float = 1.0, **features: object) -> None:
+    """Run the backend with ``features``, compare with the reference, check the cache."""
+    ref_features = {k: v for k, v in features.items() if k != "vattn_config"}
+    out, before = run(batch, **features)  # type: ignore[arg-type]
+    ref = batch.reference(scale=batch.spec.head_size**-0.5, **ref_features)
+    n = batch.num_actual_tokens
+    assert_close(out[:n], ref, batch.spec.dtype, factor=factor)
+    assert (out[n:] == 0).all(), "padding rows of the output were written"
+    check_cache_written(batch)
+    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+
+
+# ---- the KV-store kernel ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_store_kv_kernel(layout: str, kv_dtype: str) -> None:
+    spec = BatchSpec(context_lens=(5, 20), query_lens=(1, 6), **SMALL, dtype=torch.bfloat16,
+                     kv_cache_dtype=kv_dtype, layout=layout, num_pad_tokens=2, extra_blocks=2,
+                     k_scale=0.03, v_scale=0.5)
+    batch = make_random_batch(spec, seed=1)
+    before = batch.kv_cache.clone()
+    k_cache, v_cache = batch.kv_cache.unbind(0)
+    triton_store_kv(batch.key, batch.value, k_cache, v_cache, batch.common.slot_mapping, kv_dtype,
+                    batch.layer._k_scale, batch.layer._v_scale)
+    check_cache_written(batch)  # bit-exact: saturating x / scale, rounded to nearest even
+    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+
+
+def test_store_kv_saturates_and_rounds_like_torch() -> None:
+    x = torch.tensor([1e6, -1e6, 124.0, 125.0, 0.3, -7.77, 0.0, 2.0**-9]).to(DEV)
+    key = x.repeat(4, 1).reshape(4, 1, 8)  # (T, Hk, D)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = torch.zeros(2, 1, 4, 1, 8, dtype=dtype, device=DEV)
+        name = "fp8" if dtype == torch.float8_e4m3fn else "fp8_e5m2"
+        one = torch.tensor(1.0, device=DEV)
+        triton_store_kv(key, key, cache[0], cache[1], torch.arange(4, device=DEV), name, one, one)
+        want = x.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype)
+        assert torch.equal(cache[0, 0, 3, 0].float().cpu(), want.float().cpu())
+
+
+# ---- the unified kernel, through the backend ----------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_mixed_batch_fp32(layout: str) -> None:
+    check(make_random_batch(BatchSpec(**MIXED, **SMALL, layout=layout, num_pad_tokens=2), seed=2))
+
+
+def test_mixed_batch_bf16_head64_eager_path() -> None:
+    # T = 34 > max_capture_size: the caller's tensors, no persistent buffers.
+    cfg = VattnConfig(compilation=CompilationConfig(max_capture_size=8, cudagraph_capture_sizes=(8,)))
+    spec = BatchSpec(**MIXED, **{**SMALL, "head_size": 64}, dtype=torch.bfloat16, layout="HND")
+    check(make_random_batch(spec, seed=3), vattn_config=cfg)
+
+
+@pytest.mark.parametrize("heads,head_size,block_size", [((6, 2), 24, 8), ((8, 1), 16, 48)])
+def test_odd_gqa_head_and_block_sizes(heads: tuple[int, int], head_size: int, block_size: int) -> None:
+    # 3 query heads per KV head (not a power of two), D=24 padded to 32, 8 heads on one KV head.
+    spec = BatchSpec(**MIXED, **{**SMALL, "head_size": head_size, "block_size": block_size,
+                                 "num_heads": heads[0], "num_kv_heads": heads[1]}, dtype=torch.float16)
+    check(make_random_batch(spec, seed=4))
+
+
+FEATURES: dict[str, dict[str, object]] = {
+    "window": dict(sliding_window=5),
+    "softcap": dict(logits_soft_cap=3.0),
+    "alibi": dict(alibi_slopes=[0.3, 0.1, 0.05, 0.02]),
+    "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_feature(name: str) -> None:
+    features = dict(FEATURES[name])
+    if "sinks" in features:
+        features["sinks"] = features["sinks"].to(DEV)  # type: ignore[union-attr]
+    check(make_random_batch(BatchSpec(**MIXED, **SMALL), seed=5), **features)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache(kv_dtype: str) -> None:
+    # The reference reads the same fp8 values times the scale, so fp32 tolerances apply.
+    spec = BatchSpec(**MIXED, **SMALL, kv_cache_dtype=kv_dtype, k_scale=0.05, v_scale=0.02)
+    check(make_random_batch(spec, seed=6), factor=10.0)
+
+
+def test_fp8_query_and_output() -> None:
+    spec = BatchSpec(**MIXED, **SMALL, dtype=torch.bfloat16, kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.02)
+    batch = make_random_batch(spec, seed=7)
+    q_scale = 0.02
+    batch.layer._q_scale.fill_(q_scale)
+    q8 = (batch.query.float() / q_scale).to(torch.float8_e4m3fn)
+    o_scale = torch.tensor(0.01, device=DEV)
+    out = torch.zeros(batch.query.shape, dtype=torch.float8_e4m3fn, device=DEV)
+    run(batch, query=q8, output=out, output_scale=o_scale)
+    batch.query = (q8.float() * q_scale).to(torch.bfloat16)  # what the kernel attends with
+    ref = batch.reference(scale=spec.head_size**-0.5)
+    n = batch.num_actual_tokens
+    # One fp8 rounding of the output (relative 2**-4) on top of bf16 attention.
+    torch.testing.assert_close(out[:n].float().cpu() * 0.01, ref.cpu(), atol=2e-2, rtol=7e-2)
+
+
+def test_nan_in_unused_cache_slots_does_not_leak() -> None:
+    spec = BatchSpec(context_lens=(5, 20), query_lens=(1, 6), **SMALL, extra_blocks=2)
+    batch = make_random_batch(spec, seed=8)
+    used = {(b, o) for r, t in enumerate(batch.block_tables)
+            for p in range(spec.seq_lens[r]) for b, o in [(t[p // 16], p % 16)]}
+    for b in range(batch.kv_cache.shape[1]):
+        for o in range(16):
+            if (b, o) not in used:
+                batch.kv_cache[:, b, o] = float("nan")
+    out, _ = run(batch)
+    assert torch.isfinite(out).all()
+
+
+def test_warmup_without_metadata_touches_nothing() -> None:
+    batch = make_random_batch(BatchSpec(**MIXED, **SMALL), seed=9)
+    impl = TritonAttentionImpl(4, 32, 32**-0.5, 2)
+    before = batch.kv_cache.clone()
+    out = torch.zeros_like(batch.query)
+    assert impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, None, output=out) is out
+    assert (out == 0).all() and torch.equal(before, batch.kv_cache)
+
+
+# ---- split-KV and launch configs -------------------------------------------------------------
+
+
+def _launch(batch: RandomBatch, config: UnifiedAttentionConfig) -> torch.Tensor:
+    c = batch.common
+    kc, vc = batch.kv_cache.unbind(0)
+    out = torch.zeros_like(batch.query)
+    tua.unified_attention(batch.query, kc, vc, out, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
+                          block_table=c.block_table_tensor, max_seqlen_q=c.max_query_len,
+                          max_seqlen_k=c.max_seq_len, softmax_scale=batch.spec.head_size**-0.5,
+                          sinks=torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEV), config=config)
+    return out
+
+
+def _stored_batch(seed: int) -> RandomBatch:
+    # The direct kernel calls read the step's K/V from the cache: store them first.
+    spec = BatchSpec(context_lens=(70, 3, 40), query_lens=(1, 1, 5), **SMALL)
+    batch = make_random_batch(spec, seed=seed)
+    k_cache, v_cache = batch.kv_cache.unbind(0)
+    triton_store_kv(batch.key, batch.value, k_cache, v_cache, batch.common.slot_mapping, "auto",
+                    batch.layer._k_scale, batch.layer._v_scale)
+    return batch
+
+
+def test_split_kv_matches_no_split() -> None:
+    batch = _stored_batch(10)
+    ref = batch.reference(scale=batch.spec.head_size**-0.5, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    one = _launch(batch, UnifiedAttentionConfig(16, 16, num_splits=1))
+    four = _launch(batch, UnifiedAttentionConfig(16, 16, num_splits=4))  # >= 1 empty split for req 2
+    assert_close(one, ref, torch.float32)
+    assert_close(four, ref, torch.float32)
+    torch.testing.assert_close(one, four, atol=2e-6, rtol=2e-6)
+
+
+def test_split_kv_with_window_softcap_alibi() -> None:
+    # A window that cuts through split segments, so some splits see nothing for some rows.
+    batch = _stored_batch(13)
+    c = batch.common
+    kc, vc = batch.kv_cache.unbind(0)
+    slopes = torch.tensor([0.3, 0.1, 0.05, 0.02], device=DEV)
+    ref = batch.reference(scale=batch.spec.head_size**-0.5, sliding_window=23, logits_soft_cap=2.0,
+                          alibi_slopes=slopes.cpu())
+    for splits in (1, 4):
+        out = torch.zeros_like(batch.query)
+        tua.unified_attention(batch.query, kc, vc, out, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
+                              block_table=c.block_table_tensor, max_seqlen_q=5, max_seqlen_k=71,
+                              softmax_scale=batch.spec.head_size**-0.5, window=(22, 0), softcap=2.0,
+                              alibi_slopes=slopes, config=UnifiedAttentionConfig(16, 16, num_splits=splits))
+        assert_close(out, ref, torch.float32)
+
+
+def test_cross_attention_reads_the_cached_encoder_kv() -> None:
+    spec = BatchSpec(context_lens=(9, 20), query_lens=(3, 7), **SMALL, attn_type=AttentionType.ENCODER_DECODER)
+    check(make_random_batch(spec, seed=14))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=batch_specs(max_reqs=4, max_context=40, max_query=9, head_sizes=(16, 32),
+                        dtypes=(torch.float32, torch.bfloat16), kv_cache_dtypes=("auto", "fp8"),
+                        block_sizes=(1, 4, 16), device=DEV),
+       seed=st.integers(0, 2**16))
+def test_fuzz_mixed_batches(spec: BatchSpec, seed: int) -> None:
+    check(make_random_batch(spec, seed=seed), factor=10.0 if spec.kv_cache_dtype != "auto" else 1.0)
+
+
+def test_config_selection_is_static_and_fills_the_gpu() -> None:
+    sel = tua.select_unified_attention_config
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_size=128, num_sms=132)
+    big = sel(num_tokens=64, num_seqs=64, max_seqlen_q=1, **kw)
+    assert (big.block_m, big.num_splits) == (16, 1)  # 64 x 8 programs fill 132 SMs
+    one = sel(num_tokens=1, num_seqs=1, max_seqlen_q=1, **kw)
+    assert one.num_splits == tua.MAX_SPLITS  # 1 x 8 programs: split KV 64 ways
+    assert sel(num_tokens=4, num_seqs=4, max_seqlen_q=1, **kw).num_splits == 16
+    capped = sel(num_tokens=200, num_seqs=1, max_seqlen_q=200, max_split_rows=256, **kw)
+    assert capped.num_splits * 200 <= 256
+    fp8 = sel(num_tokens=64, num_seqs=64, max_seqlen_q=1, kv_fp8=True, **kw)
+    assert fp8.tile_n == 32  # narrower tiles keep the fp8 -> bf16 conversion's registers low
+    prefill = sel(num_tokens=16384, num_seqs=8, max_seqlen_q=2048, **kw)
+    assert (prefill.block_m, prefill.num_splits, prefill.num_warps) == (128, 1, 8)
+    assert sel(num_tokens=1, num_seqs=1, max_seqlen_q=1, **kw) == one  # deterministic
+    with pytest.raises(ValueError, match="power of two"):
+        UnifiedAttentionConfig(24, 16)
+
+
+def test_persistent_buffers_emulate_graph_replay() -> None:
+    """A 'captured' decode metadata replays a later mixed batch of the same size correctly."""
+    cfg = VattnConfig(compilation=CompilationConfig(cudagraph_capture_sizes=(4, 8, 16, 32, 40)))
+    replay = make_random_batch(BatchSpec(**MIXED, **SMALL), seed=11)  # 34 tokens, 5 requests
+    builder = _builder(replay, cfg)
+    builder.use_persistent_buffers = True  # on by default on CUDA only
+    t = replay.common.slot_mapping.shape[0]
+    width = 8
+    capture = CommonAttentionMetadata(
+        query_start_loc=torch.arange(t + 1, dtype=torch.int32, device=DEV),
+        query_start_loc_cpu=torch.arange(t + 1, dtype=torch.int32),
+        seq_lens=torch.full((t,), 3, dtype=torch.int32, device=DEV),
+        seq_lens_cpu=torch.full((t,), 3, dtype=torch.int32),
+        num_computed_tokens_cpu=torch.full((t,), 2, dtype=torch.int32),
+        num_reqs=t, num_actual_tokens=t, max_query_len=1,
+        block_table_tensor=torch.zeros((t, width), dtype=torch.int32, device=DEV),
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=DEV),
+    )
+    assert builder.cudagraph_support == AttentionCGSupport.ALWAYS
+    captured = builder.build_for_cudagraph_capture(capture)
+    assert captured.config.block_m == 16  # decode config, fixed in the "graph"
+    fresh = builder.build(0, replay.common)
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        assert getattr(fresh, name).data_ptr() == getattr(captured, name).data_ptr(), name
+    assert fresh.seq_lens[replay.common.num_reqs:].eq(0).all()
+    impl = TritonAttentionImpl(4, 32, 32**-0.5, 2)
+    before = replay.kv_cache.clone()
+    out = torch.zeros_like(replay.query)
+    impl.forward(replay.layer, replay.query, replay.key, replay.value, replay.kv_cache, captured, output=out)
+    assert_close(out, replay.reference(scale=32**-0.5), torch.float32)
+    check_cache_untouched(before, replay.kv_cache, replay.common.slot_mapping)
+
+
+def test_capture_grows_persistent_buffers_first() -> None:
+    cfg = VattnConfig(compilation=CompilationConfig(max_capture_size=4, cudagraph_capture_sizes=(4,)))
+    batch = make_random_batch(BatchSpec(context_lens=(3,) * 6, query_lens=(1,) * 6, **SMALL), seed=15)
+    builder = _builder(batch, cfg)
+    builder.use_persistent_buffers = True
+    wide = dataclasses.replace(batch.common, block_table_tensor=torch.nn.functional.pad(
+        batch.common.block_table_tensor, (0, 5)))
+    md = builder.build_for_cudagraph_capture(wide)  # 6 tokens > 4: grows before capturing
+    assert builder.max_graph_tokens == 6 and builder._block_table.shape[1] == wide.block_table_tensor.shape[1]
+    again = builder.build(0, batch.common)
+    assert again.block_table.data_ptr() == md.block_table.data_ptr()
+    assert again.partial_out is md.partial_out is not None
+
+
+_AOT_SCRIPT = r"""
+import sys, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
+from vattn.ops.triton_kv_store import _store_kv_kernel
+
+def compile_(fn, types, consts, warps, stages):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig
+             if sig[n].startswith("*") or (n.startswith("stride") and n not in consts)}
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
+    ptr = {n: "*fp32" for n in _unified_attention_kernel.arg_names if n.endswith("_ptr")}
+    ptr.update(q_ptr="*" + q, k_ptr="*" + kv, v_ptr="*" + kv, out_ptr="*" + out, cu_q_ptr="*i32",
+               seqused_k_ptr="*i32", block_table_ptr="*i32", softmax_scale="fp32", softcap="fp32")
+    c = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, NUM_Q_HEADS=32, QPK=4, HEAD_SIZE=128,
+             HEAD_PAD=128, PAGE_SIZE=16, BLOCK_M=m, BLOCK_Q=m // 4, TILE_N=64, NUM_SPLITS=splits,
+             COMPUTE_DTYPE=tl.bfloat16, DOT_FP32=False, CAUSAL=True, USE_WINDOW=feats, USE_SOFTCAP=feats,
+             USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16", KV_FP8=kv != "bf16",
+             OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0)
+    return compile_(_unified_attention_kernel, ptr, c, warps, 3)
+
+decode = attn(splits=16, feats=True)
+prefill = attn(m=128, warps=8)
+fp8 = attn(kv="fp8e4nv", q="fp8e4nv", out="fp8e4nv", feats=True)
+compile_(_combine_splits_kernel, dict(out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
+         cu_q_ptr="*i32", out_scale_ptr="*fp32"), dict(stride_od=1, NUM_Q_HEADS=32, HEAD_SIZE=128,
+         HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0), 4, 1)
+compile_(_store_kv_kernel, {n: "*fp32" for n in _store_kv_kernel.arg_names if n.endswith("_ptr")}
+         | dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*fp8e5", value_cache_ptr="*fp8e5",
+                slot_ptr="*i64"),
+         dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_KV_HEADS=8, HEAD_SIZE=128,
+              HEAD_PAD=128, BLOCK_H=8, PAGE_SIZE=16, FP8=True, FP8_MAX=57344.0, FP8_ROUND_FIX=0), 4, 1)
+ttgir = prefill.asm["ttgir"]
+print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
+"""
+
+
+def test_kernels_compile_for_hopper() -> None:
+    """Compile (no GPU needed) the main kernel variants for sm_90 with Triton's own ptxas.
+
+    Runs in a subprocess: the kernels must be built in compiled mode, not the interpreter.
+    Catches compile-only errors the interpreter cannot see, and checks that the prefill
+    tile takes Hopper's wgmma path.
+    """
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this Triton has no ahead-of-time compile API: {e}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    if res.returncode != 0 and ("ptxas" in res.stderr.lower() and "not found" in res.stderr.lower()):
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "WGMMA" in res.stdout.split() and "NO-WGMMA" not in res.stdout, res.stdout
+
+
+# ---- the backend's static facts -----------------------------------------------------------
+
+
+def test_backend_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    B = TritonAttentionBackend
+    assert B.get_name() == "TRITON_ATTN"
+    assert B.accept_output_buffer and B.supports_quant_query_input and B.supports_output_quant
+    assert B.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
+    set_kv_cache_layout("HND")
+    try:
+        assert B.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
+    finally:
+        set_kv_cache_layout(None)
+    assert B.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
+    assert {64, 128, 256} <= set(B.get_supported_head_sizes())
+    assert B.get_cudagraph_support() == AttentionCGSupport.ALWAYS
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert B.validate_configuration(128, torch.bfloat16, "fp8_e5m2", 32, has_sink=True) == []
+    reasons = B.validate_configuration(512, torch.bfloat16, "int4", 16)
+    assert any("head_size" in r for r in reasons) and any("kv_cache_dtype" in r for r in reasons)
+    if not HAS_CUDA:
+        monkeypatch.delenv("TRITON_INTERPRET")
+        ok, why = B.is_available()
+        assert not ok and "TRITON_INTERPRET" in why
+    impl = TritonAttentionImpl(4, 64, 0.125, 2)
+    assert impl.fused_output_quant_supported(torch.float8_e4m3fn)
+    assert not impl.fused_output_quant_supported(torch.int8)
+    with pytest.raises(NotImplementedError, match="TORCH_SDPA"):
+        TritonAttentionImpl(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_ONLY)
+
+
+def test_launcher_errors_name_the_argument() -> None:
+    batch = make_random_batch(BatchSpec(context_lens=(3,), query_lens=(1,), **SMALL), seed=12)
+    c = batch.common
+    kc, vc = batch.kv_cache.unbind(0)
+    kw = dict(cu_seqlens_q=c.query_start_loc.long(), seqused_k=c.seq_lens, block_table=c.block_table_tensor,
+              max_seqlen_q=1, max_seqlen_k=4, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be int32"):
+        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), **kw)
+    kw["cu_seqlens_q"] = c.query_start_loc
+    with pytest.raises(ValueError, match="k_scale is required"):
+        tua.unified_attention(batch.query, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn),
+                              torch.empty_like(batch.query), **kw)
+
+
+# ---- GPU: full shapes, long contexts, CUDA graphs ----------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cuda_full_shapes(head_size: int, block_size: int) -> None:
+    spec = BatchSpec(context_lens=(32000, 4999, 0, 700, 1500), query_lens=(1, 1, 300, 77, 513),
+                     num_heads=32, num_kv_heads=8, head_size=head_size, block_size=block_size,
+                     dtype=torch.bfloat16, layout="NHD" if block_size == 16 else "HND",
+                     num_pad_tokens=5, device="cuda")
+    check(make_random_batch(spec, seed=20))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_cuda_long_decode_split_kv(num_reqs: int) -> None:
+    spec = BatchSpec(context_lens=(32767, 20000, 9000)[:num_reqs], query_lens=(1,) * num_reqs,
+                     num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, device="cuda")
+    batch = make_random_batch(spec, seed=21)
+    md = _builder(batch).build(0, batch.common)
+    assert md.config.num_splits > 1, "small-batch long decode must split KV"
+    check(batch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+def test_cuda_fp8_kv_and_features(kv_dtype: str) -> None:
+    spec = BatchSpec(context_lens=(4000, 100, 2000), query_lens=(1, 200, 64), num_heads=16,
+                     num_kv_heads=4, head_size=128, dtype=torch.bfloat16, kv_cache_dtype=kv_dtype,
+                     k_scale=0.05, v_scale=0.03, device="cuda")
+    sinks = torch.linspace(-1, 1, 16, device="cuda")
+    check(make_random_batch(spec, seed=22), sliding_window=1000, logits_soft_cap=30.0, sinks=sinks)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cuda_store_kv_matches_torch(layout: str) -> None:
+    spec = BatchSpec(context_lens=(100, 0), query_lens=(1, 400), num_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, kv_cache_dtype="fp8", layout=layout,
+                     num_pad_tokens=7, k_scale=0.04, v_scale=0.02, device="cuda")
+    batch = make_random_batch(spec, seed=23)
+    before = batch.kv_cache.clone()
+    kc, vc = batch.kv_cache.unbind(0)
+    triton_store_kv(batch.key, batch.value, kc, vc, batch.common.slot_mapping, "fp8",
+                    batch.layer._k_scale, batch.layer._v_scale)
+    check_cache_written(batch)
+    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size", [1, 4, 24, 64])
+def test_cuda_graph_replay_equals_eager(size: int) -> None:
+    """Capture at ``size`` tokens with decode metadata; replay a different mixed batch."""
+    cfg = VattnConfig(compilation=CompilationConfig(cudagraph_capture_sizes=(1, 4, 24, 64)))
+    qlens = [1] * size if size < 4 else [1] * (size // 2) + [size - size // 2]
+    ctx = [(997 * (i + 1)) % 3000 for i in range(len(qlens))]
+    spec = BatchSpec(context_lens=tuple(ctx), query_lens=tuple(qlens), num_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, extra_blocks=8, device="cuda")
+    replay = make_random_batch(spec, seed=24)
+    builder = _builder(replay, cfg)
+    width = 256  # the widest block table any replay uses, fixed at capture
+    capture = CommonAttentionMetadata(
+        query_start_loc=torch.arange(size + 1, dtype=torch.int32, device="cuda"),
+        query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+        seq_lens=torch.full((size,), 17, dtype=torch.int32, device="cuda"),
+        seq_lens_cpu=torch.full((size,), 17, dtype=torch.int32),
+        num_computed_tokens_cpu=torch.full((size,), 16, dtype=torch.int32),
+        num_reqs=size, num_actual_tokens=size, max_query_len=1,
+        block_table_tensor=torch.zeros((size, width), dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.full((size,), -1, dtype=torch.int64, device="cuda"),
+    )
+    md = builder.build_for_cudagraph_capture(capture)
+    impl = TritonAttentionImpl(32, 128, 128**-0.5, 8)
+    q, k, v = (torch.randn_like(t) for t in (replay.query, replay.key, replay.value))
+    out = torch.zeros_like(replay.query)
+    kv0 = replay.kv_cache.clone()
+    impl.forward(replay.layer, q, k, v, replay.kv_cache, md, output=out)  # warm-up: compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(replay.layer, q, k, v, replay.kv_cache, md, output=out)
+    replay.kv_cache.copy_(kv0)
+    builder.build(0, replay.common)  # in place: the graph now reads the replay batch
+    q.copy_(replay.query), k.copy_(replay.key), v.copy_(replay.value)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    graph_out = out.clone()
+    replay.kv_cache.copy_(kv0)
+    eager = torch.zeros_like(out)
+    impl.forward(replay.layer, replay.query, replay.key, replay.value, replay.kv_cache, md, output=eager)
+    assert torch.equal(graph_out, eager)
+    assert_close(graph_out[: replay.num_actual_tokens], replay.reference(scale=128**-0.5), torch.bfloat16)

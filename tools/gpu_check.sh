@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (after the kit's three install calls, see ../shared/device/README.md):
+#   bash tools/gpu_check.sh PHASE [PHASE...]
+# Phases: env, sdpa, triton, flashinfer, flash_attn, layer, compile, cudagraph, model, all-tests,
+#         bench-triton, bench-overhead, bench-e2e, bench-compile, bench-kernels.
+# Logs and JSON go to $OUT (or ./gpu-out); each phase is bounded by PHASE_TIMEOUT seconds.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+T=${PHASE_TIMEOUT:-300}
+pt() { timeout "$T" python3 -m pytest -q -p no:cacheprovider -rs -x --timeout "$T" "$@"; }
+for phase in "$@"; do
+  echo "=== $phase ($(date -u +%H:%M:%S))"
+  case "$phase" in
+    env) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv;
+         python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())";;
+    sdpa) pt -m "cuda and not slow" tests/test_torch_sdpa.py tests/test_layer.py tests/test_custom_ops.py 2>&1 | tee "$OUT/sdpa.log" | tail -25;;
+    triton) pt -m "not slow" tests/test_triton_attn.py 2>&1 | tee "$OUT/triton.log" | tail -30;;
+    flashinfer) pt -m "not slow" tests/test_flashinfer.py 2>&1 | tee "$OUT/flashinfer.log" | tail -30;;
+    flash_attn) pt -m "not slow" tests/test_flash_attn.py 2>&1 | tee "$OUT/flash_attn.log" | tail -30;;
+    compile) pt -m "not slow" tests/test_compile.py 2>&1 | tee "$OUT/compile.log" | tail -20;;
+    cudagraph) pt -m "not slow" tests/test_cudagraph.py 2>&1 | tee "$OUT/cudagraph.log" | tail -30;;
+    model) pt -m "not slow" tests/test_model_parity.py tests/test_generate.py 2>&1 | tee "$OUT/model.log" | tail -20;;
+    all-tests) pt -m "cuda or flashinfer or flash_attn" tests 2>&1 | tee "$OUT/all.log" | tail -40;;
+    bench-triton) timeout "$T" python3 benchmarks/bench_triton_attn.py 2>&1 | tee "$OUT/bench_triton.log" | tail -30;;
+    bench-overhead) timeout "$T" python3 benchmarks/bench_layer_overhead.py 2>&1 | tee "$OUT/bench_overhead.log" | tail -30;;
+    bench-e2e) timeout "$T" python3 benchmarks/bench_e2e.py 2>&1 | tee "$OUT/bench_e2e.log" | tail -30;;
+    bench-compile) timeout "$T" python3 benchmarks/bench_compile.py 2>&1 | tee "$OUT/bench_compile.log" | tail -30;;
+    bench-kernels) timeout "$T" python3 benchmarks/bench_kernels.py --quick 2>&1 | tee "$OUT/bench_kernels.log" | tail -30;;
+    *) echo "unknown phase $phase";;
+  esac
+done
+echo "=== done ($(date -u +%H:%M:%S))"
