@@ -341,3 +341,14 @@ def test_current_platform_matches_machine():
 def test_cuda_capability():
     cap = CudaPlatform().get_device_capability()
     assert cap is not None and cap.major >= 7
+
+
+def test_cuda_priority_by_dtype_and_capability(monkeypatch):
+    cuda = CudaPlatform()
+    B = AttentionBackendEnum
+    monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda self, device_id=0: DeviceCapability(9, 0))
+    assert cuda.get_attn_backend_priority(128, torch.bfloat16, "auto", 16)[:2] == [B.FLASHINFER, B.FLASH_ATTN]
+    assert cuda.get_attn_backend_priority(128, torch.float32, "auto", 16)[0] == B.TORCH_SDPA
+    monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda self, device_id=0: DeviceCapability(10, 0))
+    assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16)[0] == B.FLASH_ATTN
+    assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16, use_mla=True)[0] == B.FLASHMLA

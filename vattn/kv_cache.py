@@ -5,7 +5,6 @@ per-request arithmetic (block tables, slot mapping) so users need not write it.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 

@@ -154,6 +154,7 @@ class CUDAGraphPiece:
     def _capture(self, key: tuple[int, int], run: PiecewiseRun, args: tuple[Any, ...]) -> Any:
         graph, out = capture_graph(functools.partial(self.fn, *args), run.pool)
         self.graphs[key] = _Entry(graph, tree_map(weak_ref_tensor, out), _addresses(args))
+        logger.debug("captured %s (piece %d) for %d tokens", self.name, self.index, run.num_tokens)
         return out
 
     def _check(self, entry: _Entry, args: tuple[Any, ...], num_tokens: int) -> None:
