@@ -28,7 +28,10 @@ holds random values (``common.fill_random_kv_``, any dtype / layout).
 
 Usage (GPU machine, repository root, ``PYTHONPATH=$PWD``)::
 
-    python benchmarks/bench_layer_overhead.py [--backends FLASHINFER FLASH_ATTN] [--cases ...] [--quick]
+    python benchmarks/bench_layer_overhead.py [--backends FLASHINFER FLASH_ATTN] [--cases ...] [--quick] [--no-plot]
+
+The bare FlashInfer call reads the cache in the layout vattn allocated (``VATTN_KV_CACHE_LAYOUT``,
+NHD or HND).
 
 Writes ``layer_overhead-<device>-<date>.json`` (after every backend/case, so a cut run keeps what
 it measured: ``summary.partial``) and ``layer_overhead-<device>-<date>.png`` (vattn vs bare TB/s and
@@ -231,7 +234,7 @@ def measure(backend: str, case: str, shape: tuple[int, int, int], rep: float,
     return rows
 
 
-def plot_panels(rows: Sequence[dict[str, Any]], roof: roofline.Roofline) -> list[dict[str, Any]]:
+def panels_for(rows: Sequence[dict[str, Any]], roof: roofline.Roofline) -> list[dict[str, Any]]:
     """``common.plot_panels`` panels: decode TB/s vs KV tokens read, prefill TFLOP/s vs new tokens,
     vattn and the bare library per backend (and timing mode), with the roofline's ceilings."""
     decode: dict[str, tuple[list[float], list[float]]] = {}
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         common.free_memory()
         write()
     if not args.no_plot:
-        png = common.plot_panels(path.with_suffix(".png"), plot_panels(rows, roof), ncols=2,
+        png = common.plot_panels(path.with_suffix(".png"), panels_for(rows, roof), ncols=2,
                                  title=f"vattn.Attention vs the bare library ({env['device_name']})")
         plots[:] = [png.name] if png is not None else []
     summary.update(partial=False, wall_s=time.perf_counter() - t0)

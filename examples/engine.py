@@ -252,6 +252,11 @@ class Engine:
         pad_tokens_to: pad each step's token count up to a multiple of this (padding has slot -1).
         min_tokens: pad each step to at least this many tokens (2 avoids Dynamo's size-1 specialisation).
         record_logits: keep every sampled row of logits (on CPU) in ``self.logits[req_id]`` (tests).
+        token_sync: called on each step's sampled tokens ((N,) int64 on ``device``) before they
+            reach the scheduler; returns the tokens to use. Tensor parallelism passes
+            ``TensorParallel.broadcast_from_first``: every rank runs this same deterministic
+            scheduler, and rank 0's samples are the ones every rank keeps, so the ranks never
+            diverge (not even on a near-tie or with temperature sampling).
     """
 
     def __init__(self, model: torch.nn.Module, vattn_config: vattn.VattnConfig, kv: "vattn.PagedKVCache", *,
@@ -259,7 +264,8 @@ class Engine:
                  chunked_prefill: bool = True, forward_fn: Callable[..., torch.Tensor] | None = None,
                  graph_runner: Callable[..., torch.Tensor] | None = None, pad_tokens_to: int = 1,
                  min_tokens: int = 1, seed: int = 0, record_logits: bool = False,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False,
+                 token_sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.cfg, self.kv = model, vattn_config, kv
         self.device = torch.device(device)
         self.forward_fn = forward_fn if forward_fn is not None else model
@@ -275,6 +281,7 @@ class Engine:
         self.record_logits = record_logits
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.check_invariants = check_invariants
+        self.token_sync = token_sync
         self.step_count = 0
         self._next_id = 0
 
@@ -334,7 +341,10 @@ class Engine:
         if any(r.sampling.temperature > 0 for r in samplers):
             temp = torch.tensor([r.sampling.temperature for r in samplers], device=self.device)
             top_p = torch.tensor([r.sampling.top_p for r in samplers], device=self.device)
-        tokens = sample(logits, temp, top_p, self.generator).tolist()  # the step's one host sync
+        sampled = sample(logits, temp, top_p, self.generator)
+        if self.token_sync is not None:
+            sampled = self.token_sync(sampled)
+        tokens = sampled.tolist()  # the step's one host sync
         if self.record_logits:
             for r, row in zip(samplers, logits.float().cpu()):
                 self.logits.setdefault(r.req_id, []).append(row)

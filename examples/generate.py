@@ -7,6 +7,15 @@ finish at different lengths. Prints prefill and decode tokens/s.
     python examples/generate.py                                   # CPU, tiny preset, a few seconds
     python examples/generate.py --device cuda --preset llama-3.2-1b --compile --cudagraph \\
         --num-requests 64 --prompt-len 512 --output-len 64
+    torchrun --nproc-per-node 2 examples/generate.py --tp 2 --device cpu      # tensor parallel, gloo
+    torchrun --nproc-per-node 2 examples/generate.py --tp 2 --preset llama-3-8b --compile --cudagraph
+
+Tensor parallelism (``--tp N`` under ``torchrun --nproc-per-node N``; see examples/tp.py): rank r
+runs on ``cuda:LOCAL_RANK`` with NCCL (gloo on the CPU) and holds 1/N of the heads, the MLP and
+the vocabulary, and its own paged KV cache. Every rank runs the same deterministic scheduler on
+the same requests; rank 0's sampled tokens are broadcast each step, so the ranks stay in
+lockstep. Only rank 0 prints. The weights are the same as with ``--tp 1`` (the seeded full
+tensors, sliced), so greedy outputs match up to float rounding.
 
 Throughput: prefill tokens/s = prompt tokens computed / time of the steps that had any
 prefill; decode tokens/s = generated tokens computed / time of the decode-only steps.
@@ -31,6 +40,7 @@ from tqdm import tqdm
 import vattn
 from examples.engine import Engine, SamplingParams
 from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_weights
+from examples.tp import TensorParallel, init_tensor_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,6 +69,10 @@ def make_cudagraph_runner(forward_fn: Callable[..., torch.Tensor], cfg: vattn.Va
                       mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE, show_progress=show_progress)
 
 
+def kv_device(kv: Any) -> torch.device:
+    return next(iter(kv.tensors.values())).device
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -75,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="vattn",
                    help="vattn = vattn.compile; inductor / aot_eager / eager = torch.compile(fullgraph, dynamic)")
     p.add_argument("--cudagraph", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun --nproc-per-node N)")
+    p.add_argument("--symm-mem", action="store_true",
+                   help="with --tp on GPUs: one-shot symmetric-memory all-reduce instead of NCCL")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (prompts are in [len/2, len])")
     p.add_argument("--output-len", type=int, default=32, help="longest output (outputs are in [len/2, len])")
@@ -93,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     on_cuda = torch.device(args.device).type == "cuda"
     args.preset = args.preset or ("llama-3.2-1b" if on_cuda else "tiny")
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    if args.tp < 1:
+        p.error(f"--tp must be at least 1, got {args.tp}.")
     if args.backend is not None and vattn.backend_name_to_enum(args.backend) is None:
         p.error(f"--backend {args.backend!r} is not a vattn backend; valid: "
                 f"{[m.name for m in vattn.AttentionBackendEnum]}")
@@ -114,8 +133,10 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     return out
 
 
-def build(args: argparse.Namespace) -> tuple[DecoderForCausalLM, vattn.VattnConfig, Any]:
-    """The model (random weights on ``args.device``) and its vattn config and paged KV cache."""
+def build(args: argparse.Namespace, tp: TensorParallel | None = None
+          ) -> tuple[DecoderForCausalLM, vattn.VattnConfig, Any]:
+    """The model (random weights on ``args.device``; this rank's shard under ``tp``) and its vattn
+    config and paged KV cache (this rank's KV heads)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     mcfg = get_preset(args.preset, max_position_embeddings=min(
         PRESETS[args.preset].max_position_embeddings, max(4096, args.prompt_len + args.output_len)))
@@ -125,7 +146,7 @@ def build(args: argparse.Namespace) -> tuple[DecoderForCausalLM, vattn.VattnConf
     try:
         with vattn.global_force_attn_backend_context_manager(args.backend), \
                 vattn.set_current_vattn_config(cfg), torch.device(device):
-            model = DecoderForCausalLM(mcfg)
+            model = DecoderForCausalLM(mcfg, tp=tp)
     finally:
         torch.set_default_dtype(old_dtype)
     init_random_weights(model, seed=args.seed)
@@ -143,7 +164,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, cfg, kv = build(args)
+    owns_group = args.tp > 1 and not torch.distributed.is_initialized()
+    tp, device = init_tensor_parallel(args.tp, args.device)
+    args.device = str(device)
+    try:
+        return _run(args, tp)
+    finally:
+        if owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
+    lead = tp.rank == 0  # the rank that prints
+    args.no_progress = args.no_progress or not lead
+    model, cfg, kv = build(args, tp)
+    if args.symm_mem and not tp.enable_symm_mem(max(args.max_num_batched_tokens, args.max_num_seqs),
+                                                 model.config.hidden_size, DTYPES[args.dtype], kv_device(kv)):
+        print("--symm-mem: not available here (see the warning); using NCCL.", file=sys.stderr)
     backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
     forward_fn: Callable[..., torch.Tensor] = model
     min_tokens = 1
@@ -160,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def new_engine() -> Engine:
         return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, forward_fn=forward_fn, graph_runner=runner,
-                      min_tokens=min_tokens, seed=args.seed)
+                      min_tokens=min_tokens, seed=args.seed,
+                      token_sync=tp.broadcast_from_first if tp.size > 1 else None)
 
     warmup_s = 0.0
     if args.compile or args.cudagraph:  # compile (and capture) outside the measured run
@@ -197,9 +235,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup_s": warmup_s,
         "preemptions": float(sum(r.num_preemptions for r in requests)),
         "cudagraph_mode": runner.mode.name if runner is not None else "off",
+        "tp": float(tp.size),
         "outputs": [r.output_token_ids for r in requests],
     }
-    print(f"model {args.preset} ({args.dtype}, {args.device}), backend {backend}, compile={args.compile}, "
+    if not lead:
+        return result
+    print(f"model {args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, compile={args.compile}, "
           f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
           + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))
     print(f"prefill: {prefill_tok} tokens, {result['prefill_tok_s']:.1f} tok/s | decode: {decode_tok} tokens, "

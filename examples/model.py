@@ -19,6 +19,12 @@ Weights use Hugging Face names, with q/k/v and gate/up fused::
     model = DecoderForCausalLM.from_hf_config(hf_model.config)   # inside vattn.set_current_vattn_config
     model.load_hf_state_dict(hf_model.state_dict())
 
+Tensor parallelism: pass ``tp=`` (``examples.tp.TensorParallel``, from ``init_tensor_parallel``
+under ``torchrun``) and every rank builds its shard: column-parallel QKV and gate/up, row-parallel
+o_proj / down_proj (each followed by an all-reduce), vocab-parallel embedding and LM head (see
+``examples/tp.py``). ``load_hf_state_dict`` and ``init_random_weights`` take the full tensors
+and keep this rank's slices, so every TP size runs the same model.
+
 RoPE: ``default``, ``linear`` and ``llama3`` (Llama 3.1/3.2) scaling are implemented and
 match ``transformers``; other ``rope_type``s (yarn, dynamic, longrope) raise
 ``NotImplementedError``. Sliding-window layers (Qwen3 ``use_sliding_window=True``) are
@@ -35,6 +41,8 @@ import torch
 from torch import nn
 
 import vattn
+from examples.tp import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, ShardedModule, TensorParallel,
+                         VocabParallelEmbedding, attention_shards, split_rows)
 
 __all__ = [
     "ModelConfig",
@@ -106,22 +114,15 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        flags = {k: bool(getattr(hf_config, k, False)) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias")}
         return cls(
-            arch=model_type,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
+            arch=model_type, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size, num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=theta,
+            head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps, rope_theta=theta,
             rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            max_position_embeddings=hf_config.max_position_embeddings, **flags,
         )
 
     def to_hf(self, **overrides: Any) -> Any:
@@ -257,17 +258,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, ``vattn.Attention``, output projection."""
+    """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, ``vattn.Attention``, output projection.
+
+    Under tensor parallelism the heads here are this rank's (``examples.tp.attention_shards``).
+    """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 attn_backend: Any = None) -> None:
+                 attn_backend: Any = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        tp = tp or TensorParallel()
+        q_rows, kv_rows = attention_shards(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp)
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = q_rows.size, kv_rows.size
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, kv_rows, kv_rows], bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, tp, bias=cfg.attention_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -292,13 +297,15 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (this rank's slice)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        tp = tp or TensorParallel()
+        rows = split_rows(cfg.intermediate_size, tp, "intermediate_size")
+        self.intermediate_size = rows.size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [rows, rows], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, tp, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -306,12 +313,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, attn_backend: Any = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, attn_backend: Any = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer_idx, rope, attn_backend)
+        self.self_attn = SelfAttention(cfg, layer_idx, rope, attn_backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x))
@@ -319,13 +327,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: Any = None) -> None:
+    def __init__(self, cfg: ModelConfig, attn_backend: Any = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        tp = tp or TensorParallel()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary_emb, attn_backend) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, self.rotary_emb, attn_backend, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -341,61 +350,64 @@ class DecoderForCausalLM(nn.Module):
     Args:
         config: the model shape (``ModelConfig``; see ``from_hf_config`` and ``PRESETS``).
         attn_backend: forwarded to every ``vattn.Attention`` (a backend class or name) to force one.
+        tp: this rank's ``examples.tp.TensorParallel``; default: one process, no parallelism.
 
-    Parameters are created in ``torch.get_default_dtype()`` on the default device (use
-    ``with torch.device("cuda")``); the RoPE table stays float32.
+    Parameters are created uninitialised in ``torch.get_default_dtype()`` on the default device
+    (use ``with torch.device("cuda")``; then ``load_hf_state_dict`` or ``init_random_weights``);
+    the RoPE table stays float32.
     """
 
-    def __init__(self, config: ModelConfig, attn_backend: Any = None) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: Any = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, attn_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp or TensorParallel()
+        self.model = DecoderModel(config, attn_backend, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, attn_backend: Any = None) -> "DecoderForCausalLM":
-        """Build from a ``transformers`` LlamaConfig or Qwen3Config (random weights)."""
-        return cls(ModelConfig.from_hf(hf_config), attn_backend)
+    def from_hf_config(cls, hf_config: Any, attn_backend: Any = None,
+                       tp: TensorParallel | None = None) -> "DecoderForCausalLM":
+        """Build from a ``transformers`` LlamaConfig or Qwen3Config (uninitialised weights)."""
+        return cls(ModelConfig.from_hf(hf_config), attn_backend, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden_size) -> (N, vocab_size) logits, in the model dtype."""
+        """(N, hidden_size) -> (N, vocab_size) logits, in the model dtype (all of them, on every rank)."""
         return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy a ``transformers`` Llama/Qwen3 state dict in (q/k/v and gate/up are fused here).
 
-        Raises ``ValueError`` listing missing / unexpected keys when ``strict``.
+        ``state_dict`` holds the full (unsharded) tensors; under tensor parallelism each rank
+        keeps its slices (``ShardedModule.shard``). Raises ``ValueError`` listing missing /
+        unexpected keys when ``strict``.
         """
         sd = dict(state_dict)
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-        params = dict(self.named_parameters(remove_duplicate=False))
         missing: list[str] = []
-        for name, param in params.items():
+        for name, module, leaf, param in _params_with_owner(self, remove_duplicate=False):
             if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in sd:
                 continue  # tied to embed_tokens, loaded there
-            parent, _, leaf = name.rpartition(".")
-            module, _, proj = parent.rpartition(".")
-            if proj in fused:
-                keys = [f"{module}.{part}.{leaf}" for part in fused[proj]]
-            else:
-                keys = [name]
+            parent, _, proj = name.rpartition(".")[0].rpartition(".")
+            keys = [f"{parent}.{part}.{leaf}" for part in fused[proj]] if proj in fused else [name]
             if any(k not in sd for k in keys):
                 missing += [k for k in keys if k not in sd]
                 continue
             src = torch.cat([sd.pop(k) for k in keys], dim=0)
-            if src.shape != param.shape:
+            sharded = isinstance(module, ShardedModule)
+            full = module.full_shape(leaf) if sharded else tuple(param.shape)
+            if tuple(src.shape) != full:
                 raise ValueError(
-                    f"state_dict {keys} has shape {tuple(src.shape)}, expected {tuple(param.shape)} for "
+                    f"state_dict {keys} has shape {tuple(src.shape)}, expected {full} for "
                     f"{name}; build the model from the same config as the checkpoint."
                 )
-            param.copy_(src)
+            param.copy_(module.shard(leaf, src) if sharded else src)
         unexpected = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if self.config.tie_word_embeddings:
             unexpected = [k for k in unexpected if k != "lm_head.weight"]
@@ -407,19 +419,36 @@ class DecoderForCausalLM(nn.Module):
             )
 
 
+def _params_with_owner(model: nn.Module, remove_duplicate: bool = True
+                       ) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(name, owning module, leaf name, parameter) in ``named_parameters`` order."""
+    out, seen = [], set()
+    for mod_name, module in model.named_modules(remove_duplicate=remove_duplicate):
+        for leaf, p in module.named_parameters(recurse=False, remove_duplicate=remove_duplicate):
+            if remove_duplicate and id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((f"{mod_name}.{leaf}" if mod_name else leaf, module, leaf, p))
+    return out
+
+
 @torch.no_grad()
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02, norm_jitter: float = 0.1) -> None:
     """Seeded random weights: linear/embedding ~ N(0, std), norms ~ 1 + U(-jitter, jitter), biases ~ N(0, std).
 
     Draws on each parameter's device (so large GPU models initialise fast); the same seed and
-    device give the same weights.
+    device give the same weights. Tensor-parallel parameters (``ShardedModule``) draw the full
+    tensor and keep this rank's slice, so every TP size gets the TP=1 model's weights.
     """
     gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+    for name, module, leaf, p in _params_with_owner(model):
         g = gens.get(p.device)
         if g is None:
             g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        sharded = isinstance(module, ShardedModule)
+        shape = module.full_shape(leaf) if sharded else p.shape
         if name.endswith("norm.weight") or "_norm." in name or "layernorm" in name:
-            p.copy_(1 + norm_jitter * (2 * torch.rand(p.shape, generator=g, device=p.device) - 1))
+            full = 1 + norm_jitter * (2 * torch.rand(shape, generator=g, device=p.device) - 1)
         else:
-            p.copy_(std * torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32))
+            full = std * torch.randn(shape, generator=g, device=p.device, dtype=torch.float32)
+        p.copy_(module.shard(leaf, full) if sharded else full)

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_kernels, common, report, roofline  # noqa: E402
+from benchmarks import bench_kernels, bench_layer_overhead, common, report, roofline  # noqa: E402
 
 ENV_KEYS = {
     "device_type", "device_name", "compute_capability", "sm_count", "gpu_memory_gib", "gpu_clocks",
@@ -216,3 +216,33 @@ def test_report_accepts_pre_schema_files(tmp_path: Path) -> None:
     assert r["summary"] == {"new_tokens": 64, "model": {"layers": 16}}
     text = report.render(results, tmp_path / "README.md")
     assert "### NVIDIA H200" in text and "| vattn-eager | 5 |" in text
+
+
+def test_layer_overhead_work_and_plot(tmp_path: Path) -> None:
+    """bench_layer_overhead's CPU-checkable parts: bytes / flops per case, and its plot panels."""
+    lo = bench_layer_overhead
+    kv_bytes, flops = lo.work(64, 4095, 1)
+    assert kv_bytes == 64 * 4096 * lo.HK * lo.D * 2 * 2 and flops is None  # K and V, bf16
+    kv_bytes, flops = lo.work(2, 0, 4)
+    assert kv_bytes is None and flops == 4 * lo.H * lo.D * 2 * (4 * 5 / 2)  # causal: n(n+1)/2 pairs
+    roof = roofline.Roofline(copy_tbps=4.0, read_tbps=4.5, bf16_tflops=800.0)
+    rows = [
+        dict(backend="FLASHINFER", mode="cuda_graph", requests=64, context=4095, new_tokens=1, tb_per_s=3.0,
+             bare_tb_per_s=3.1),
+        dict(backend="FLASH_ATTN", mode="eager", requests=8, context=0, new_tokens=2048, tflop_per_s=400.0,
+             bare_tflop_per_s=420.0),
+    ]
+    decode, prefill = lo.panels_for(rows, roof)
+    assert decode["series"] == {"FLASHINFER vattn (cuda_graph)": ([64 * 4096], [3.0]),
+                                "FLASHINFER bare (cuda_graph)": ([64 * 4096], [3.1])}
+    assert decode["ceilings"] == {"copy": 4.0, "read": 4.5}
+    assert prefill["series"]["FLASH_ATTN bare (eager)"] == ([8 * 2048], [420.0])
+    assert prefill["ceilings"] == {"bf16 matmul": 800.0}
+    png = common.plot_panels(tmp_path / "overhead.png", [decode, prefill], ncols=2)
+    assert png is not None and png.stat().st_size > 1000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only exit")
+def test_layer_overhead_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_layer_overhead.main(["--quick"]) == 2
+    assert "CUDA" in capsys.readouterr().err

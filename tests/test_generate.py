@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -86,5 +87,24 @@ def test_bench_e2e_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     (path,) = tmp_path.glob("e2e-*.json")
     rows = {(r["impl"], r["batch"]) for r in out["rows"] if "ms_per_step" in r}
     assert {("vattn-eager", 1), ("vattn-eager/loop", 2), ("hf-eager", 2), ("hf-static-compile", 1)} <= rows
-    assert all(r["x_floor"] > 0 for r in out["rows"] if "ms_per_step" in r)
-    assert out["summary"]["partial"] is False and path.stat().st_size > 0
+    assert all(r["x_floor"] > 0 and r["frac_copy_bw"] > 0 for r in out["rows"] if "ms_per_step" in r)
+    assert all("speedup_vs_hf_static" in r for r in out["rows"] if r["impl"].startswith("vattn-"))
+    summary = out["summary"]
+    assert summary["partial"] is False and summary["roofline"]["copy_tbps"] > 0
+    assert {(f["batch"], f["context"]) for f in summary["floor"]} == {(1, 16), (2, 16)}
+    vs_static = [t for t in summary["target_checks"] if t["issue"] == 4 and "batch 1," in t["target"]]
+    assert len(vs_static) == 2 and all(t["value"] > 0 for t in vs_static)  # engine-step and loop bases
+    assert summary["targets"]["vattn/hf-static tok/s b1 p16 (engine step)"].endswith(("met)", "NOT met)"))
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "e2e" and len(data["rows"]) == len(out["rows"])
+    assert data["plots"] and all((tmp_path / p).stat().st_size > 1000 for p in data["plots"])
+
+    # vattn jobs first; a spent time budget skips every job (and says so) instead of running past it.
+    args = bench_e2e.parse_args(["--quick", "--batches", "1,64"])
+    order = [impl for _, _, impl in bench_e2e.job_order(args)]
+    assert order[: 2 * len(bench_e2e.VATTN_IMPLS)] == [*bench_e2e.VATTN_IMPLS] * 2 and order[-1].startswith("hf-")
+    out = bench_e2e.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--batches", "1",
+                          "--contexts", "16", "--new-tokens", "4", "--impls", "vattn-eager,hf-eager",
+                          "--time-budget-s", "0.5", "--no-plot"])
+    assert [r["impl"] for r in out["rows"]] == ["vattn-eager", "hf-eager"]
+    assert all("time budget" in r["skipped"] for r in out["rows"])

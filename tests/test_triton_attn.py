@@ -386,14 +386,21 @@ def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
                seqused_k_ptr="*i32", block_table_ptr="*i32", softmax_scale="fp32", softcap="fp32")
     c = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, NUM_Q_HEADS=32, QPK=4, HEAD_SIZE=128,
              HEAD_PAD=128, PAGE_SIZE=16, BLOCK_M=m, BLOCK_Q=m // 4, TILE_N=64, NUM_SPLITS=splits,
-             COMPUTE_DTYPE=tl.bfloat16, DOT_FP32=False, CAUSAL=True, USE_WINDOW=feats, USE_SOFTCAP=feats,
-             USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16", KV_FP8=kv != "bf16",
-             OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0)
+             COMPUTE_DTYPE=tl.bfloat16 if kv == "bf16" else tl.float16, DOT_FP32=False, CAUSAL=True,
+             USE_WINDOW=feats, USE_SOFTCAP=feats, USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16",
+             KV_FP8=kv != "bf16", OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0,
+             V_CVT={"bf16": 0, "fp8e4nv": 1, "fp8e5": 2}[kv])
     return compile_(_unified_attention_kernel, ptr, c, warps, 3)
 
 decode = attn(splits=16, feats=True)
 prefill = attn(m=128, warps=8)
 fp8 = attn(kv="fp8e4nv", q="fp8e4nv", out="fp8e4nv", feats=True)
+fp8_e5m2 = attn(kv="fp8e5", m=16)
+assert "LDS.U8" not in fp8.asm.get("sass", "") and "cvt.rn.f16x2.e4m3x2" in fp8.asm["ptx"]
+assert "cvt.rn.f16x2.e5m2x2" in fp8_e5m2.asm["ptx"]
+# The block table is prefetched a tile ahead, so the K/V copies stay in flight across
+# iterations (a ``cp.async.wait_group 0`` inside the loop would serialise them).
+assert "cp.async.wait_group 	2" in decode.asm["ptx"] or "cp.async.wait_group 2" in decode.asm["ptx"]
 compile_(_combine_splits_kernel, dict(out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
          cu_q_ptr="*i32", out_scale_ptr="*fp32"), dict(stride_od=1, NUM_Q_HEADS=32, HEAD_SIZE=128,
          HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0), 4, 1)

@@ -49,6 +49,8 @@ logger = logging.getLogger("vattn.compile")
 #: Pass name -> "module:ClassName" (imported on first use).
 BUILTIN_PASSES: dict[str, str] = {
     "noop_elimination": "vattn.compile_passes.noop_elimination:NoOpEliminationPass",
+    "query_quant_fusion": "vattn.compile_passes.fusion_query_quant:QueryQuantFusionPass",
+    "attn_quant_fusion": "vattn.compile_passes.fusion_attn_quant:AttnQuantFusionPass",
     "defunctionalize": "vattn.compile_passes.defunctionalize:DefunctionalizePass",
 }
 _registered: dict[str, type["VattnPass"]] = {}

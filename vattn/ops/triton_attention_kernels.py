@@ -13,7 +13,8 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
   tile is read once per KV head and fed to ``tl.dot``.
 * online softmax in the log2 domain (scores pre-multiplied by ``log2(e)``, ``exp2``), fp32
   accumulators; key tiles of ``TILE_N`` tokens gathered through the block table (one
-  block-table entry per token, so any page size works), loads contiguous along head_dim.
+  block-table entry per token, so any page size works), loads contiguous along head_dim;
+  the entries of the next tile are prefetched a tile ahead so the K/V loads pipeline.
 * the KV range of a q block is split into masked edge tiles (causal diagonal, window edges,
   the partial last tile) and unmasked interior tiles that skip all mask arithmetic.
 * split-KV (``NUM_SPLITS > 1``): each split handles a slice of the block's KV tiles and writes
@@ -49,6 +50,27 @@ _SUM = getattr(tl.standard, "_sum_combine", _add2)
 
 
 @triton.jit
+def _fp8_to_f16(x, E5M2: tl.constexpr):
+    """fp8 bytes (uint8, e4m3fn or e5m2) -> fp16, two values per ``cvt`` (sm_89+ PTX).
+
+    Not pure on purpose: Triton hoists pure element-wise casts of a dot operand below the
+    shared-memory -> dot-layout load, which for the value tile (whose reduction axis, the
+    key axis, is not the contiguous one) means one byte-wide shared load per element. Kept
+    here, the cast runs on the 16-byte-vector load layout and the tile reaches the dot as
+    fp16 (``ldmatrix.trans``).
+    """
+    if E5M2:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; "
+                "cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+            "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, alibi2,
     k_head_ptr, v_head_ptr, bt_row_ptr,
@@ -59,22 +81,35 @@ def _attend_tiles(
     TILE_N: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
+    V_CVT: tl.constexpr,
 ):
-    """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking."""
+    """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
+
+    ``V_CVT``: 0 casts the value tile with ``.to(COMPUTE_DTYPE)``; 1 / 2 convert an e4m3 /
+    e5m2 tile to fp16 with ``_fp8_to_f16`` (GPU only)."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
+    offs_t = tl.arange(0, TILE_N)
+    # Block-table entries are prefetched one tile ahead into registers (a loop-carried value,
+    # plain loads): the K/V addresses of tile j then depend on no load of iteration j, so
+    # Triton's pipeliner can keep num_stages - 1 K/V tiles in flight. (Loaded in the same
+    # iteration, the entries go through cp.async too, and reading them back forces a
+    # wait_group 0 every iteration: no load then overlaps any compute.)
+    n_lim = tl.minimum(seq_len, j_hi * TILE_N)  # tokens this loop reads
+    nxt = j_lo * TILE_N + offs_t
+    blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < n_lim, other=0)
     for j in range(j_lo, j_hi):
-        offs_n = j * TILE_N + tl.arange(0, TILE_N)
+        offs_n = j * TILE_N + offs_t
+        blk = blk_next.to(tl.int64)
+        nxt = offs_n + TILE_N
+        blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < n_lim, other=0)
         if MASK:
             n_ok = offs_n < seq_len
-            blk = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_ok, other=0)
             k_mask = d_ok[:, None] & n_ok[None, :]
             v_mask = n_ok[:, None] & d_ok[None, :]
         else:
-            blk = tl.load(bt_row_ptr + offs_n // PAGE_SIZE)
             k_mask = d_ok[:, None]
             v_mask = d_ok[None, :]
-        blk = blk.to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         # K^T tile (HEAD_PAD, TILE_N): contiguous along head_dim.
         k_ptrs = (k_head_ptr + (blk * stride_kb + in_page * stride_ks)[None, :]
@@ -125,7 +160,10 @@ def _attend_tiles(
             v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         else:
             v = tl.load(v_ptrs)
-        v = v.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
+        if V_CVT != 0:
+            v = _fp8_to_f16(v.to(tl.uint8, bitcast=True), V_CVT == 2)
+        else:
+            v = v.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
         if DOT_FP32:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -152,7 +190,7 @@ def _unified_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
-    FP8_ROUND_FIX: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr,
 ):
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -190,7 +228,10 @@ def _unified_attention_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    elif Q_FP8:
+    else:
+        if COMPUTE_DTYPE == tl.float16 and not Q_FP8:
+            # fp16 compute under a bf16 query (fp8 KV): keep huge values finite.
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
         q = q.to(COMPUTE_DTYPE)
 
     scale = softmax_scale
@@ -253,21 +294,21 @@ def _unified_attention_kernel(
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI)
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT)
     acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
         acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
         tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
         qk_scale2, softcap_in, softcap_out, window_left, window_right,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI)
+        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT)
     acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
         acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
         tl.maximum(s_lo, u_hi), s_hi, seq_len,
         qk_scale2, softcap_in, softcap_out, window_left, window_right,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI)
+        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -45,6 +45,16 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 2
 SPLIT_SCRATCH_BYTES = 16 << 20
 """Budget of the split-KV partial-output scratch (fp32), bounding ``num_splits * num_tokens``."""
 
+FP8_V_ASM: bool = True
+"""Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
+
+FP8_KV_COMPUTE: torch.dtype | None = torch.float16
+"""Matrix-operand dtype of fp8-KV attention with a 16-bit query (None: the query's dtype).
+
+fp16, not bf16: e4m3 and e5m2 values are exact in fp16 and the GPU converts a pair of them
+with one instruction (``cvt.rn.f16x2.e4m3x2``), against a detour through fp32 for bf16; the
+query is clamped to the fp16 range first, softmax weights in [0, 1] gain precision."""
+
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -59,6 +69,8 @@ class UnifiedAttentionConfig:
         num_splits: KV splits per q block (1 = write the output directly; else a power of
             two and a combine kernel merges the partials).
         num_warps, num_stages: Triton launch options of the attention kernel.
+        maxnreg: register cap per thread (Triton's ``maxnreg``; None = the compiler's
+            choice), to fit more programs per SM.
     """
 
     block_m: int
@@ -66,6 +78,7 @@ class UnifiedAttentionConfig:
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n", "num_splits"):
@@ -274,6 +287,8 @@ def unified_attention(
         compute = k_cache.dtype
     else:
         compute = out.dtype if not out_fp8 else torch.bfloat16
+    if kv_fp8 and compute in (torch.bfloat16, torch.float16) and FP8_KV_COMPUTE is not None:
+        compute = FP8_KV_COMPUTE
     if compute not in _TL_DTYPES:
         raise TypeError(f"unsupported dtypes: q {q.dtype}, cache {k_cache.dtype}, out {out.dtype}; "
                         "use fp16/bf16/fp32 (fp8 for the cache, q and out with scales).")
@@ -313,6 +328,14 @@ def unified_attention(
     else:
         partial_out = partial_lse = dummy
 
+    v_cvt = 0
+    if (kv_fp8 and FP8_V_ASM and compute == torch.float16 and q.device.type == "cuda"
+            and torch.cuda.get_device_capability(q.device) >= (8, 9)):
+        v_cvt = 2 if k_cache.dtype == torch.float8_e5m2 else 1
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.maxnreg is not None and q.device.type == "cuda":
+        launch["maxnreg"] = config.maxnreg
+
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, partial_out, partial_lse,
@@ -333,8 +356,7 @@ def unified_attention(
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
-        FP8_ROUND_FIX=round_fix,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, **launch,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

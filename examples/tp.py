@@ -1,0 +1,344 @@
+"""Tensor parallelism for the example model, on PyTorch's own stack (``torch.distributed``).
+
+Megatron-style sharding over ``n`` ranks (one process per rank, ``torchrun``); rank ``r``
+holds:
+
+| layer | its shard | forward (communication) |
+| --- | --- | --- |
+| ``ColumnParallelLinear`` (``qkv_proj``, ``gate_up_proj``) | the rows of each fused part that feed its heads / its slice of the MLP | local matmul (none) |
+| ``RowParallelLinear`` (``o_proj``, ``down_proj``) | the matching input columns; the bias whole | local matmul, all-reduce (sum), + bias |
+| ``VocabParallelEmbedding`` (``embed_tokens``) | vocab rows ``[r*Vp/n, (r+1)*Vp/n)``, ``Vp`` = V rounded up to a multiple of n | masked local lookup, all-reduce |
+| ``ParallelLMHead`` (``lm_head``) | the same vocab rows (tied embeddings share them) | local logits, all-gather along the vocab, ``[:, :V]`` |
+| norms, RoPE | everything (replicated) | none |
+
+Heads: rank ``r`` attends with query heads ``[r*H/n, (r+1)*H/n)``. When ``n <= Hk`` it holds KV
+heads ``[r*Hk/n, (r+1)*Hk/n)``; when ``n > Hk`` (``n`` a multiple of ``Hk``) each KV head is
+replicated on ``n/Hk`` ranks and rank ``r`` holds KV head ``r // (n/Hk)``, which is the head its
+query heads belong to. Each rank's ``vattn.Attention`` and paged KV cache see only its own heads.
+
+Collectives are ``torch.distributed._functional_collectives`` (``all_reduce``,
+``all_gather_tensor``): Dynamo traces them into the graph (``_c10d_functional`` ops, no graph
+break) with ``fullgraph=True``, under gloo on the CPU and NCCL on GPUs, and CUDA graphs capture
+them. On GPUs ``TensorParallel.enable_symm_mem`` switches the row-parallel all-reduces to
+PyTorch's one-shot symmetric-memory kernel (``torch.ops.symm_mem.one_shot_all_reduce_copy``,
+peer-to-peer loads over NVLink, no multicast), which is faster than NCCL for small decode messages.
+
+Usage (``examples/generate.py --tp N`` does this)::
+
+    tp, device = init_tensor_parallel(2, "cuda")       # inside `torchrun --nproc-per-node 2`
+    model = DecoderForCausalLM(config, tp=tp)          # this rank's shard
+    model.load_hf_state_dict(hf_state_dict)            # full checkpoint in, this rank's slices kept
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "RowSlice",
+    "ShardedModule",
+    "TensorParallel",
+    "VocabParallelEmbedding",
+    "attention_shards",
+    "init_tensor_parallel",
+    "split_rows",
+]
+
+logger = logging.getLogger("vattn.examples.tp")
+
+
+class TensorParallel:
+    """This process's place in the tensor-parallel group, and the collectives the layers call.
+
+    Args:
+        rank: this rank's index in the group (0 .. size-1).
+        size: ranks in the group; 1 = no parallelism (every collective is the identity).
+        group: the ``ProcessGroup`` (default: the world group when ``size > 1``). Layers can be
+            *built* with ``group=None`` and ``size > 1`` (to inspect shapes or shard weights in one
+            process); running them then raises.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"TensorParallel: expected 0 <= rank < size, got rank={rank}, size={size}.")
+        self.rank, self.size, self.group = rank, size, group
+        self.group_name: str | None = group.group_name if group is not None else None
+        self.symm_buffer: torch.Tensor | None = None  # set by enable_symm_mem
+
+    def __repr__(self) -> str:
+        mode = "symm_mem" if self.symm_buffer is not None else "functional"
+        return f"TensorParallel(rank={self.rank}, size={self.size}, group={self.group_name!r}, all_reduce={mode})"
+
+    def _check_group(self) -> str:
+        if self.group_name is None:
+            raise RuntimeError(
+                f"{self!r} has no process group: a model built for a single-process shard "
+                "inspection cannot run; build it with init_tensor_parallel() under torchrun.")
+        return self.group_name
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks (a new tensor; ``x`` itself is untouched)."""
+        if self.size == 1:
+            return x
+        name = self._check_group()
+        if self.symm_buffer is not None:
+            # One-shot P2P all-reduce: copies x into this rank's symmetric buffer, then every rank
+            # reads every peer's buffer. The buffer slice must have x's shape (the op checks).
+            buf = self.symm_buffer[: x.numel()].view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x.contiguous(), "sum", name)
+        return funcol.all_reduce(x, "sum", name)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, d) on every rank -> (N, size*d), rank r's block at columns ``[r*d, (r+1)*d)``."""
+        if self.size == 1:
+            return x
+        c10d = torch.ops._c10d_functional  # the ops funcol wraps (same in torch 2.11 .. 2.13)
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), self.size, self._check_group()))
+        n, d = x.shape
+        return out.view(self.size, n, d).transpose(0, 1).reshape(n, self.size * d)
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (in place; eager only, outside compiled code)."""
+        if self.size > 1:
+            self._check_group()
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x
+
+    def enable_symm_mem(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Use the symmetric-memory one-shot all-reduce for up to ``max_tokens`` x ``hidden_size``.
+
+        A collective (every rank calls it). Needs CUDA GPUs with peer-to-peer access; returns
+        False (and keeps NCCL) where that is missing or this torch lacks the op. Every forward
+        must then have at most ``max_tokens`` tokens (the engine's token budget / the CUDA-graph
+        runner's largest size). Leaves NVLink multicast alone (TORCH_SYMM_MEM_DISABLE_MULTICAST).
+        """
+        if self.size == 1 or torch.device(device).type != "cuda":
+            return False
+        name = self._check_group()
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+                raise RuntimeError("torch.ops.symm_mem.one_shot_all_reduce_copy is missing in this torch")
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # needed on older torch, deprecated (a no-op) on newer
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    enable(name)
+            buf = symm_mem.empty(max_tokens * hidden_size, dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, name)
+        except Exception as e:  # no P2P, no NVSHMEM/CUDA backend, old torch: keep NCCL
+            logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
+            return False
+        self.symm_buffer = buf
+        return True
+
+
+def init_tensor_parallel(tp_size: int | None, device: torch.device | str, timeout: timedelta | None = None
+                         ) -> tuple[TensorParallel, torch.device]:
+    """Join the ``torchrun`` job and return this rank's ``TensorParallel`` and device.
+
+    The whole world is one tensor-parallel group (``tp_size`` must equal ``--nproc-per-node`` x
+    nodes; None = whatever it is). On CUDA each rank uses ``cuda:LOCAL_RANK`` and NCCL; on the
+    CPU, gloo. ``timeout``: how long a collective may wait for the other ranks (torch's default
+    when None). ``tp_size == 1`` outside torchrun returns ``TensorParallel()`` and ``device``.
+    """
+    device = torch.device(device)
+    launched = dist.is_available() and dist.is_torchelastic_launched()
+    if tp_size in (1, None) and not launched:
+        return TensorParallel(), device
+    if not launched:
+        raise ValueError(
+            f"tensor parallelism {tp_size} needs one process per rank: launch with "
+            f"`torchrun --nproc-per-node {tp_size} examples/generate.py --tp {tp_size} ...`.")
+    if device.type == "cuda":
+        device = torch.device("cuda", dist.get_node_local_rank())
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+    world = dist.get_world_size()
+    if tp_size is not None and world != tp_size:
+        raise ValueError(f"--tp {tp_size} must equal the number of processes torchrun started ({world}).")
+    return TensorParallel(dist.get_rank(), world, dist.group.WORLD), device
+
+
+# ---- sharding ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """Rows ``[start, start + size)`` of a dimension of length ``full`` (zero rows past ``full``)."""
+
+    full: int
+    start: int
+    size: int
+
+    def take(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        stop = min(self.start + self.size, self.full)
+        part = t.narrow(dim, self.start, max(stop - self.start, 0))
+        if part.shape[dim] == self.size:
+            return part
+        pad = list(t.shape)
+        pad[dim] = self.size - part.shape[dim]
+        return torch.cat([part, t.new_zeros(pad)], dim=dim)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size ({d}); pick --tp that divides it.")
+    return n // d
+
+
+def split_rows(n: int, tp: TensorParallel, what: str) -> RowSlice:
+    """Rank ``tp.rank``'s equal share of ``n`` rows (``n`` divisible by ``tp.size``, else ValueError naming ``what``)."""
+    per = _divide(n, tp.size, what)
+    return RowSlice(n, tp.rank * per, per)
+
+
+def attention_shards(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParallel
+                     ) -> tuple[RowSlice, RowSlice]:
+    """(query rows, key/value rows) of rank ``tp.rank`` in the flattened (heads*D) projections."""
+    h = _divide(num_heads, tp.size, "num_attention_heads")
+    if tp.size <= num_kv_heads:
+        hk = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+        kv_start = tp.rank * hk
+    else:  # replicate: rank r holds KV head r // (n / Hk), the head of its query heads' group
+        replicas = _divide(tp.size, num_kv_heads, "the tensor-parallel size (more ranks than KV heads)")
+        hk, kv_start = 1, tp.rank // replicas
+    return (RowSlice(num_heads * head_dim, tp.rank * h * head_dim, h * head_dim),
+            RowSlice(num_kv_heads * head_dim, kv_start * head_dim, hk * head_dim))
+
+
+class ShardedModule(nn.Module):
+    """A module whose parameters are slices of a full (single-process) tensor.
+
+    ``full_shape(leaf)`` is the full tensor's shape for parameter ``leaf`` ("weight", "bias");
+    ``shard(leaf, full)`` returns this rank's slice. Loading and random initialisation go through
+    both, so every TP size gets the same full model.
+    """
+
+    def full_shape(self, leaf: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(ShardedModule):
+    """``y = x W_r^T + b_r``: output features sharded, fused parts sharded one by one.
+
+    Args:
+        in_features: input features (whole on every rank).
+        parts: one ``RowSlice`` per fused output part (q, k, v or gate, up), in order.
+
+    ``forward(x (T, in)) -> (T, sum(part.size))``, no communication.
+    """
+
+    def __init__(self, in_features: int, parts: Sequence[RowSlice], bias: bool = False) -> None:
+        super().__init__()
+        self.parts = tuple(parts)
+        self.in_features = in_features
+        self.weight = nn.Parameter(torch.empty(sum(p.size for p in self.parts), in_features))
+        self.bias = nn.Parameter(torch.empty(self.weight.shape[0])) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def full_shape(self, leaf: str) -> tuple[int, ...]:
+        rows = sum(p.full for p in self.parts)
+        return (rows, self.in_features) if leaf == "weight" else (rows,)
+
+    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        chunks = full.split([p.full for p in self.parts], dim=0)
+        return torch.cat([p.take(c) for p, c in zip(self.parts, chunks)], dim=0)
+
+
+class RowParallelLinear(ShardedModule):
+    """``y = all_reduce(x_r W_r^T) + b``: input features sharded (``cols``), bias added once.
+
+    ``forward(x (T, cols.size)) -> (T, out_features)``, one all-reduce.
+    """
+
+    def __init__(self, cols: RowSlice, out_features: int, tp: TensorParallel, bias: bool = False) -> None:
+        super().__init__()
+        self.cols, self.out_features, self.tp = cols, out_features, tp
+        self.weight = nn.Parameter(torch.empty(out_features, cols.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def full_shape(self, leaf: str) -> tuple[int, ...]:
+        return (self.out_features, self.cols.full) if leaf == "weight" else (self.out_features,)
+
+    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        return self.cols.take(full, dim=1) if leaf == "weight" else full
+
+
+def _vocab_rows(vocab_size: int, tp: TensorParallel) -> RowSlice:
+    per = -(-vocab_size // tp.size)
+    return RowSlice(vocab_size, tp.rank * per, per)
+
+
+class VocabParallelEmbedding(ShardedModule):
+    """Token embedding with the vocabulary sharded over the ranks.
+
+    ``forward(ids (T,)) -> (T, hidden)``: each rank looks up the ids in its row range (zeros
+    elsewhere), then one all-reduce sums the ranks' rows.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.rows, self.hidden_size, self.tp = _vocab_rows(vocab_size, tp), hidden_size, tp
+        self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        mine = (local >= 0) & (local < self.rows.size)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        return self.tp.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
+
+    def full_shape(self, leaf: str) -> tuple[int, ...]:
+        return (self.rows.full, self.hidden_size)
+
+    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        return self.rows.take(full)
+
+
+class ParallelLMHead(ShardedModule):
+    """LM head with the vocabulary sharded like ``VocabParallelEmbedding`` (so they can be tied).
+
+    ``forward(hidden (N, hidden)) -> (N, vocab_size)`` full logits on every rank (one all-gather).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.rows, self.hidden_size, self.tp = _vocab_rows(vocab_size, tp), hidden_size, tp
+        self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        return logits[..., : self.rows.full] if self.tp.size > 1 else logits
+
+    def full_shape(self, leaf: str) -> tuple[int, ...]:
+        return (self.rows.full, self.hidden_size)
+
+    def shard(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        return self.rows.take(full)

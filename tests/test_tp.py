@@ -1,0 +1,373 @@
+"""Tensor parallelism of the example model (examples/tp.py) on the CPU: 2 processes with gloo.
+
+One module-scoped launch of two worker processes (this file run as a script) loads a
+``transformers`` state dict into the tensor-parallel model (each rank keeps its shard), runs the
+continuous-batching engine eagerly and under ``torch.compile(fullgraph=True, dynamic=True)``
+(aot_eager), and saves every rank's greedy tokens and sampled logits rows. The tests compare them
+with the single-process model on the same state dict (float32, atol 1e-4).
+
+Two configurations: Llama GQA (4 query / 2 KV heads, so 2 / 1 per rank; q/k/v/o and MLP biases; an
+odd vocabulary, so the last vocab shard is padded) and Qwen3 with one KV head (tp 2 > 1 KV head:
+the head is replicated) and tied embeddings. Rendezvous: a ``TCPStore`` this process hosts on
+127.0.0.1, port chosen by the OS (no race for a free port); gloo over the loopback interface.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import vattn  # noqa: E402
+from examples.engine import Engine, SamplingParams  # noqa: E402
+from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
+from examples.tp import TensorParallel, attention_shards  # noqa: E402
+
+WORLD = 2
+BUDGET = 16
+MAX_TOKENS = 10
+PROMPTS = [(5, 0), (23, 0), (12, 2), (1, 4)]  # (length, arrival step): chunked prefill beside decodes
+CASES: dict[str, ModelConfig] = {
+    "llama-gqa": ModelConfig(
+        vocab_size=509, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=128, attention_bias=True, mlp_bias=True),
+    "qwen3-kv-replicated": ModelConfig(
+        arch="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+        tie_word_embeddings=True),
+}
+
+
+# ---- shared by the workers and the single-process reference ---------------------------------
+
+
+def build(mcfg: ModelConfig, sd: dict[str, torch.Tensor], tp: TensorParallel | None, device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> tuple[DecoderForCausalLM, vattn.VattnConfig, vattn.PagedKVCache]:
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16 if device != "cpu" else 8))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with vattn.set_current_vattn_config(cfg), torch.device(device):
+            model = DecoderForCausalLM(mcfg, tp=tp)
+    finally:
+        torch.set_default_dtype(old)
+    model.load_hf_state_dict(sd)
+    model.eval()
+    return model, cfg, vattn.allocate_kv_cache(cfg, num_blocks=32, device=device, dtype=dtype)
+
+
+def prompts(vocab: int) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), a) for n, a in PROMPTS]
+
+
+def generate(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, tp: TensorParallel | None,
+             how: str = "eager") -> dict[str, Any]:
+    """Greedy tokens and every sampled logits row ((MAX_TOKENS, V) per request, float32 on the CPU).
+
+    ``how``: ``eager``; ``compiled`` (torch.compile fullgraph/dynamic, aot_eager: compile stats
+    too); ``cudagraph`` / ``cudagraph-compiled`` (``vattn.CUDAGraphRunner`` over the eager /
+    ``vattn.compile``d model: the runtime modes of the decode steps too).
+    """
+    from torch._dynamo.utils import counters
+
+    device = next(iter(kv.tensors.values())).device
+    sync = tp.broadcast_from_first if tp is not None else None
+    kw: dict[str, Any] = dict(device=device, max_num_batched_tokens=BUDGET, record_logits=True, token_sync=sync)
+    stats: dict[str, Any] = {}
+    torch._dynamo.reset()
+    counters.clear()
+    if how == "compiled":
+        kw.update(forward_fn=torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager"), min_tokens=2)
+    elif how.startswith("cudagraph"):
+        fn = vattn.compile(model, cfg) if how == "cudagraph-compiled" else model
+        runner = vattn.CUDAGraphRunner(fn, cfg, kv, max_batch_size=8, max_model_len=64, show_progress=False,
+                                       mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE)
+        modes = stats.setdefault("modes", [])
+        dispatch = runner.dispatch
+
+        def counting_dispatch(common: Any) -> Any:
+            bd, padded = dispatch(common)
+            modes.append(bd.mode.name)
+            return bd, padded
+
+        runner.dispatch = counting_dispatch  # type: ignore[method-assign]
+        kw.update(graph_runner=runner)
+    if how == "compiled":
+        warm = Engine(model, cfg, kv, **kw)
+        warm.add_request(list(range(6)), SamplingParams(max_tokens=2))  # compile: one prefill, one decode
+        warm.run()
+    engine = Engine(model, cfg, kv, **kw)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), a) for p, a in prompts(model.config.vocab_size)]
+    with torch._dynamo.config.patch(error_on_recompile=how == "compiled"):
+        engine.run()
+    if how == "compiled":
+        stats = {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+    return {"tokens": [r.output_token_ids for r in reqs],
+            "logits": [torch.stack(engine.logits[r.req_id]).float() for r in reqs], **stats}
+
+
+def worker(rank: int, port: int, folder: Path, device_type: str) -> None:
+    """One rank: join the group (gloo on the CPU, NCCL on GPU ``rank``) through the parent's store,
+    run every case, save the results."""
+    torch.set_num_threads(1)
+    cuda = device_type == "cuda"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120), device_id=torch.device(device) if cuda else None)
+    tp = TensorParallel(rank, WORLD, dist.group.WORLD)
+    out: dict[str, Any] = {}
+    for name, mcfg in CASES.items():
+        sd = torch.load(folder / f"{name}.pt")
+        model, cfg, kv = build(mcfg, sd, tp, device, torch.bfloat16 if cuda else torch.float32)
+        attn = model.model.layers[0].self_attn.attn
+        out[name] = {"eager": generate(model, cfg, kv, tp), "heads": (attn.num_heads, attn.num_kv_heads),
+                     "kv_shape": tuple(next(iter(kv.tensors.values())).shape)}
+        for how in ("cudagraph", "cudagraph-compiled") if cuda else ("compiled",):
+            out[name][how] = generate(model, cfg, kv, tp, how)
+        if cuda and tp.enable_symm_mem(BUDGET, mcfg.hidden_size, torch.bfloat16, torch.device(device)):
+            out[name]["symm_mem"] = generate(model, cfg, kv, tp, "cudagraph")
+            tp.symm_buffer = None
+    torch.save(out, folder / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ---- the tests ------------------------------------------------------------------------------
+
+
+def make_hf_state_dict(mcfg: ModelConfig) -> dict[str, torch.Tensor]:
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = mcfg.to_hf(attn_implementation="eager")
+    cls = transformers.LlamaForCausalLM if mcfg.arch == "llama" else transformers.Qwen3ForCausalLM
+    hf = cls(hf_cfg).eval()
+    init_random_weights(hf, seed=0, std=0.05)
+    return {k: v.clone() for k, v in hf.state_dict().items()}
+
+
+def launch(folder: Path, device_type: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Start the two workers, compute the single-process reference meanwhile, return (ref, per-rank results)."""
+    sds = {name: make_hf_state_dict(mcfg) for name, mcfg in CASES.items()}
+    for name, sd in sds.items():
+        torch.save(sd, folder / f"{name}.pt")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(store.port), str(folder), device_type],
+                              env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    device, dtype = ("cuda:0", torch.bfloat16) if device_type == "cuda" else ("cpu", torch.float32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the reference runs while the workers do
+        ref = {name: generate(*build(mcfg, sds[name], None, device, dtype), None) for name, mcfg in CASES.items()}
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        torch.set_num_threads(old)
+        for p in procs:
+            p.kill()
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {r} failed (exit {p.returncode}):\n{log[-4000:]}"
+    return ref, [torch.load(folder / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on 127.0.0.1, not the host's address
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every rank's results and the single-process reference, per case (CPU, gloo, float32)."""
+    ref, ranks = launch(tmp_path_factory.mktemp("tp"), "cpu")
+    return {"ref": ref, "ranks": ranks}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_tp2_matches_single_process(runs: dict[str, Any], name: str, mode: str) -> None:
+    """Same greedy tokens and sampled logits (1e-4) as one process, on every rank."""
+    ref = runs["ref"][name]
+    assert ref["logits"][0].abs().max() > 1.0  # logits large enough for 1e-4 to mean something
+    for rank, res in enumerate(runs["ranks"]):
+        got = res[name][mode]
+        assert got["tokens"] == ref["tokens"], f"rank {rank} {mode}: tokens differ"
+        for i, (a, b) in enumerate(zip(got["logits"], ref["logits"])):
+            assert a.shape == b.shape == (MAX_TOKENS, CASES[name].vocab_size)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"rank {rank} {mode} req {i}: {m}")
+        if mode == "compiled":
+            assert got["graph_breaks"] == 0 and got["unique_graphs"] == 1, got
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tp2_heads_and_kv_cache_per_rank(runs: dict[str, Any], name: str) -> None:
+    """Each rank's attention layer and KV cache hold its share of heads (KV replicated past Hk)."""
+    mcfg = CASES[name]
+    for res in runs["ranks"]:
+        h, hk = res[name]["heads"]
+        assert h == mcfg.num_attention_heads // WORLD
+        assert hk == max(1, mcfg.num_key_value_heads // WORLD)
+        assert hk in res[name]["kv_shape"] and res[name]["kv_shape"][-1] == mcfg.head_dim
+
+
+def assert_bf16_close_until_tie(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    """bf16 parity of two runs: per request, tokens equal up to the first position where the
+    reference's top-2 logits are a near-tie (gap < 0.25; the sequences diverge after it), and the
+    logits rows up to there within bf16 tolerance (the summation order differs across TP sizes)."""
+    for i, (gt, rt, gl, rl) in enumerate(zip(got["tokens"], ref["tokens"], got["logits"], ref["logits"])):
+        k = next((j for j, (a, b) in enumerate(zip(gt, rt)) if a != b), len(rt))
+        if k < len(rt):
+            top2 = rl[k].topk(2).values
+            assert top2[0] - top2[1] < 0.25, (
+                f"{what} request {i}: token {k} is {gt[k]}, expected {rt[k]} (top-2 gap {top2[0] - top2[1]:.3f})")
+        diff = (gl[: k + 1] - rl[: k + 1]).abs()
+        assert diff.max() < 0.25 and diff.mean() < 0.03, f"{what} request {i}: max {diff.max():.3f}, mean {diff.mean():.4f}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs (device kind nvidia-h200-x2)")
+def test_tp2_nccl_bf16_matches_tp1_and_graphs_match_eager(tmp_path: Path) -> None:
+    """2 GPUs, NCCL, bf16: TP=2 gives TP=1's greedy tokens (up to near-ties); CUDA-graph replay
+    (full decode graphs containing the all-reduces; eager and vattn.compile'd model; and the
+    symmetric-memory all-reduce where available) gives the eager TP=2 run's tokens and logits."""
+    ref, ranks = launch(tmp_path, "cuda")
+    for name in CASES:
+        for rank, res in enumerate(ranks):
+            r = res[name]
+            assert_bf16_close_until_tie(r["eager"], ref[name], f"{name} rank {rank}: TP=2 eager vs TP=1")
+            for how in ("cudagraph", "cudagraph-compiled", "symm_mem"):
+                if how == "symm_mem" and how not in r:
+                    continue  # no P2P / symmetric memory on this machine: NCCL only
+                assert "FULL" in r[how]["modes"], f"{name} {how}: no full-graph replay ({set(r[how]['modes'])})"
+                assert_bf16_close_until_tie(r[how], r["eager"], f"{name} rank {rank}: {how} vs eager")
+        assert ranks[0][name]["eager"]["tokens"] == ranks[1][name]["eager"]["tokens"]
+
+
+# ---- in one process: shapes, sharding, errors ------------------------------------------------
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_init_random_weights_is_tp_invariant(tp_size: int) -> None:
+    """Rank models (built without a group) get exactly the TP=1 model's weights, sliced; concatenated
+    over the ranks they rebuild the full q, o_proj, MLP and vocabulary; KV rows follow the heads."""
+    mcfg = ModelConfig(vocab_size=101, num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=64,
+                       intermediate_size=96, attention_bias=True)
+
+    def built(tp: TensorParallel | None) -> dict[str, torch.Tensor]:
+        with vattn.set_current_vattn_config(vattn.VattnConfig()):
+            model = DecoderForCausalLM(mcfg, tp=tp)
+        init_random_weights(model, seed=3)
+        return dict(model.named_parameters())
+
+    full = built(None)
+    ranks = [built(TensorParallel(r, tp_size, None)) for r in range(tp_size)]
+    q, kv, d = 8 * 16, 2 * 16, 16
+    qkv = full["model.layers.1.self_attn.qkv_proj.weight"]
+    cat = lambda name, dim=0: torch.cat([p[name] for p in ranks], dim=dim)  # noqa: E731
+    assert torch.equal(cat("model.layers.1.self_attn.o_proj.weight", 1), full["model.layers.1.self_attn.o_proj.weight"])
+    assert torch.equal(cat("model.layers.0.mlp.down_proj.weight", 1), full["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(cat("model.embed_tokens.weight")[:101], full["model.embed_tokens.weight"])
+    assert torch.equal(cat("lm_head.weight")[:101], full["lm_head.weight"])
+    assert not cat("lm_head.weight")[101:].any()  # vocab padding rows are zero
+    for r, p in enumerate(ranks):
+        local = p["model.layers.1.self_attn.qkv_proj.weight"]
+        qs = q // tp_size
+        assert torch.equal(local[:qs], qkv[r * qs:(r + 1) * qs])
+        kv_head = r * 2 // tp_size  # one KV head per rank: 2 ranks -> heads 0, 1; 4 ranks -> 0, 0, 1, 1
+        assert torch.equal(local[qs:qs + d], qkv[q + kv_head * d:q + (kv_head + 1) * d])  # k
+        assert torch.equal(local[qs + d:], qkv[q + kv + kv_head * d:q + kv + (kv_head + 1) * d])  # v
+        assert torch.equal(p["model.layers.1.self_attn.o_proj.bias"], full["model.layers.1.self_attn.o_proj.bias"])
+        assert torch.equal(p["model.norm.weight"], full["model.norm.weight"])
+
+
+def test_attention_shards_and_errors() -> None:
+    q, kv = attention_shards(8, 2, 4, TensorParallel(3, 4))
+    assert (q.start, q.size, kv.start, kv.size) == (3 * 2 * 4, 2 * 4, 1 * 4, 4)  # rank 3 of 4: KV head 1
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        attention_shards(4, 2, 4, TensorParallel(0, 3))
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        attention_shards(12, 6, 4, TensorParallel(0, 4))
+    with pytest.raises(ValueError, match="more ranks than KV heads"):
+        attention_shards(12, 3, 4, TensorParallel(0, 4))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        with vattn.set_current_vattn_config(vattn.VattnConfig()):
+            DecoderForCausalLM(ModelConfig(intermediate_size=100, num_attention_heads=8, num_key_value_heads=8),
+                               tp=TensorParallel(0, 8))
+
+
+def test_shard_without_group_cannot_run() -> None:
+    with vattn.set_current_vattn_config(vattn.VattnConfig()):
+        model = DecoderForCausalLM(ModelConfig(), tp=TensorParallel(1, 2, None))
+    with pytest.raises(RuntimeError, match="no process group"), vattn.set_forward_context(None, vattn.VattnConfig()):
+        model(torch.zeros(3, dtype=torch.long), torch.arange(3))
+
+
+def test_generate_cli_under_torchrun(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 examples/generate.py --tp 2` on gloo: rank 0 prints the
+    same request-0 tokens as `--tp 1` (same seeded weights, sliced)."""
+    import socket
+
+    from examples import generate
+
+    args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "2", "--prompt-len", "12", "--output-len", "8",
+            "--max-num-batched-tokens", "16", "--no-progress", "--fixed-lengths", "--seed", "3"]
+    with socket.socket() as s:  # torchrun's static rendezvous needs a port number up front
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "examples/generate.py", "--tp", "2", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("decode:") == 1 and "tp=2" in r.stdout  # rank 0 alone prints
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = generate.main(args)
+    finally:
+        torch.set_num_threads(old)
+    printed = re.search(r"request 0: prompt \d+ tokens -> \[([\d, ]+)\]", r.stdout)
+    assert printed is not None, r.stdout
+    assert [int(t) for t in printed.group(1).split(",")] == single["outputs"][0]
+
+
+def test_bench_tp_cpu_smoke(tmp_path: Path) -> None:
+    """benchmarks/bench_tp.py runs end to end under torchrun on gloo (no CUDA graphs) and writes its
+    JSON, so the GPU run is not the first time its code executes."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "benchmarks/bench_tp.py", "--device", "cpu", "--preset", "tiny",
+           "--batches", "1,2", "--context", "16", "--reps", "3", "--allreduce", "functional,symm_mem,none"]
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(worker_env(), OUT=str(tmp_path)), capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    (path,) = tmp_path.glob("tp-*.json")
+    data = json.loads(path.read_text())
+    rows = {(row["tp"], row["allreduce"], row["batch"]): row for row in data["rows"]}
+    assert set(rows) == {(1, "-", 1), (1, "-", 2), (2, "functional", 1), (2, "functional", 2), (2, "none", 1),
+                         (2, "none", 2)}  # symm_mem needs CUDA: skipped, and the summary says so
+    assert "symm_mem" in data["summary"]["skipped"]
+    assert all(row["graph_ms"] > 0 and row["step_ms"] > 0 for row in rows.values())
+    assert rows[(2, "functional", 1)]["allreduce_ms"] > 0 and "comm_in_situ_ms" in rows[(2, "functional", 2)]
+    assert data["summary"]["target"]["ratio"] == rows[(2, "functional", 1)]["x_tp1_graph"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    worker(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5])
