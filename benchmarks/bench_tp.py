@@ -52,7 +52,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import vattn  # noqa: E402
-from benchmarks.common import Table, env_info, fill_random_kv_, free_memory, progress, split_kv_cache, write_results  # noqa: E402
+from benchmarks.common import (Table, env_info, fill_random_kv_, free_memory, progress,  # noqa: E402
+                               split_kv_cache, write_results)
 from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
 from examples.tp import TensorParallel, init_tensor_parallel  # noqa: E402
 
@@ -227,7 +228,6 @@ def measure(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, tp: Tens
             row["allreduce_share"] = row["allreduce_ms"] / graph_ms
         rows.append(row)
     runner.release()
-    del runner, fn
     return rows
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -137,7 +138,28 @@ def triton_fn(batch: Batch, config: tua.UnifiedAttentionConfig, out: torch.Tenso
     return run
 
 
-def flashinfer_fn(batch: Batch, out: torch.Tensor) -> Callable[[], Any]:
+class LibCall:
+    """A library call to time: ``fn()`` runs it; ``result()`` is the output of the latest run.
+
+    Libraries that allocate their output (flash-attn-4) keep it in ``last`` by reference, so
+    the timed function does no copy; the comparison reads it after timing. Under CUDA-graph
+    timing ``last`` is the graph's static output, which every replay rewrites.
+    """
+
+    def __init__(self, run: Callable[[], Any], out: torch.Tensor | None = None) -> None:
+        self._run, self._out = run, out
+        self.last: Any = None
+
+    def __call__(self) -> None:
+        self.last = self._run()
+
+    def result(self) -> torch.Tensor:
+        if self._out is not None:
+            return self._out
+        return self.last[0] if isinstance(self.last, tuple) else self.last
+
+
+def flashinfer_fn(batch: Batch) -> LibCall:
     import flashinfer
 
     c = batch.case
@@ -151,26 +173,21 @@ def flashinfer_fn(batch: Batch, out: torch.Tensor) -> Callable[[], Any]:
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
     wrapper.plan(indptr, indices, last, H, HK, D, PAGE, q_data_type=torch.bfloat16,
                  kv_data_type=batch.kv.dtype, sm_scale=D**-0.5)
-    fn = lambda: wrapper.run(batch.q, (batch.k_cache, batch.v_cache), out=out)  # noqa: E731
-    fn._keepalive = (wrapper, ws, indptr, indices, last)  # type: ignore[attr-defined]
-    return fn
+    out = torch.zeros_like(batch.out)
+    call = LibCall(lambda: wrapper.run(batch.q, (batch.k_cache, batch.v_cache), out=out), out)
+    call._keepalive = (wrapper, ws, indptr, indices, last)  # type: ignore[attr-defined]
+    return call
 
 
-def fa4_fn(batch: Batch, out: torch.Tensor) -> Callable[[], Any]:
+def fa4_fn(batch: Batch) -> LibCall:
     from flash_attn.cute import flash_attn_varlen_func
 
     c = batch.case
     if batch.kv.dtype != torch.bfloat16:
         raise NotImplementedError("this benchmark runs flash-attn-4 on bf16 KV only")
-
-    def call() -> Any:
-        return flash_attn_varlen_func(batch.q, batch.k_cache, batch.v_cache, cu_seqlens_q=batch.cu_q,
-                                      max_seqlen_q=c.q_len, seqused_k=batch.seq_lens, page_table=batch.block_table,
-                                      softmax_scale=D**-0.5, causal=True)
-
-    res = call()  # once for the comparison; the timed calls do not copy their output
-    out.copy_(res[0] if isinstance(res, tuple) else res)
-    return call
+    return LibCall(lambda: flash_attn_varlen_func(
+        batch.q, batch.k_cache, batch.v_cache, cu_seqlens_q=batch.cu_q, max_seqlen_q=c.q_len,
+        seqused_k=batch.seq_lens, page_table=batch.block_table, softmax_scale=D**-0.5, causal=True))
 
 
 def _sync() -> None:
@@ -234,11 +251,12 @@ def run_case(case: Case, roof: roofline.Roofline, sweep: bool, quick: bool, skip
             rows.append(row(batch, "vattn_triton_sweep", ms, method, ref, batch.out, roof, **cols))
     for name, make in (("flashinfer", flashinfer_fn), ("flash_attn_4", fa4_fn)):
         try:
-            lib_out = torch.zeros_like(batch.out)
-            lfn = make(batch, lib_out)
+            lfn = make(batch)
             lfn()
             _sync()
             ms, method = measure(lfn, quick)
+            _sync()
+            lib_out = lfn.result()  # the timed runs' own output, compared after timing
         except Exception as e:  # not installed, or this case unsupported
             skipped[f"{case.name}:{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
             continue
@@ -284,16 +302,102 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ratios": ratios, "targets": targets, "best_triton_config": best_cfg}
 
 
+LIBRARIES = ("flashinfer", "flash_attn_4")
+
+
+def _reference_file(arg: str, device_name: str) -> Path | None:
+    """The earlier run whose library rows stand in for libraries missing here (``auto``: the
+    newest ``triton_attn-<this device>-*.json`` in benchmarks/results/ holding any)."""
+    if arg == "none":
+        return None
+    if arg != "auto":
+        return Path(arg)
+    pattern = f"triton_attn-{common.device_slug(device_name)}-*.json"
+    for path in sorted(common.RESULTS_DIR.glob(pattern), reverse=True):
+        try:
+            rows = json.loads(path.read_text()).get("rows", [])
+        except (OSError, ValueError):
+            continue
+        if any(r.get("provider") in LIBRARIES for r in rows):
+            return path
+    return None
+
+
+def import_library_rows(path: Path, env: dict[str, Any], rows: list[dict[str, Any]],
+                        skipped: dict[str, str]) -> dict[str, Any] | None:
+    """Add ``path``'s FlashInfer / flash-attn-4 rows for (case, library) pairs this run lacks.
+
+    Only from a run on the same device model (``env.device_name``); each imported row keeps
+    a ``source`` column (file, date, versions) so ratios against it are read as cross-run.
+    Returns the summary's ``reference_rows`` entry, or None when nothing was imported.
+    """
+    data = json.loads(path.read_text())
+    old_env = data.get("env", {})
+    if old_env.get("device_name") != env.get("device_name"):
+        skipped[f"reference:{path.name}"] = (f"device {old_env.get('device_name')!r} != {env.get('device_name')!r}; "
+                                            "library rows not imported")
+        return None
+    have = {(r["case"], r["provider"]) for r in rows}
+    source = (f"{path.name} ({str(old_env.get('date'))[:10]}; flashinfer {old_env.get('flashinfer')}, "
+              f"flash_attn {old_env.get('flash_attn')})")
+    added = []
+    for r in data.get("rows", []):
+        if r.get("provider") in LIBRARIES and (r["case"], r["provider"]) not in have \
+                and any(x["case"] == r["case"] for x in rows):
+            added.append({**r, "source": r.get("source") or source})
+    rows.extend(added)
+    for r in added:
+        skipped.pop(f"{r['case']}:{r['provider']}", None)
+    return {"file": path.name, "date": old_env.get("date"), "device_name": old_env.get("device_name"),
+            "flashinfer": old_env.get("flashinfer"), "flash_attn": old_env.get("flash_attn"),
+            "rows": len(added)} if added else None
+
+
+def plot(rows: list[dict[str, Any]], roof: roofline.Roofline, path: Path) -> Path | None:
+    """Decode TB/s (split-KV batches; 64 x 4096 by KV bits) against the copy bandwidth, and
+    prefill TFLOP/s against the bf16 matmul rate, one line per provider."""
+    def series(pred: Callable[[dict[str, Any]], bool], x: Callable[[dict[str, Any]], float],
+               y: str) -> dict[str, tuple[list[float], list[float]]]:
+        out: dict[str, tuple[list[float], list[float]]] = {}
+        for r in rows:
+            if r["provider"] in ("vattn_triton_sweep", "vattn_triton_eager") or not pred(r):
+                continue
+            label = r["provider"] + (" (earlier run)" if r.get("source") else "")
+            xs, ys = out.setdefault(label, ([], []))
+            xs.append(x(r))
+            ys.append(r[y])
+        return out
+
+    copy = {"copy bandwidth": roof.copy_tbps}
+    panels = [
+        {"title": "decode, 32k context (split-KV)", "xlabel": "sequences", "ylabel": "KV TB/s", "logx": True,
+         "series": series(lambda r: r["q_len"] == 1 and r["context"] == 32768, lambda r: r["num_seqs"], "tbps"),
+         "ceilings": copy},
+        {"title": "decode, 64 x 4096", "xlabel": "KV bits (8 = fp8 e4m3)", "ylabel": "KV TB/s",
+         "series": series(lambda r: r["q_len"] == 1 and r["context"] == 4096,
+                          lambda r: 8 if "float8" in r["kv_dtype"] else 16, "tbps"),
+         "ceilings": copy},
+        {"title": "prefill, 8 x 2048 causal", "xlabel": "sequences", "ylabel": "TFLOP/s",
+         "series": series(lambda r: r["q_len"] > 1, lambda r: r["num_seqs"], "tflops"),
+         "ceilings": {"bf16 matmul": roof.bf16_tflops}},
+    ]
+    return common.plot_panels(path, panels, title=f"vattn TRITON_ATTN, H={H} Hk={HK} D={D} page={PAGE}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time Triton config variants")
     parser.add_argument("--quick", action="store_true", help="shorter timing")
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--reference-json", default="auto",
+                        help="earlier run of this benchmark on the same device model whose library rows fill in for "
+                             "libraries not installed here ('auto': newest in benchmarks/results/; 'none': off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         print("bench_triton_attn needs a CUDA GPU (run it on the device machine).", file=sys.stderr)
         return 2
+    env = common.env_info()
     roof = roofline.measure(quick=args.quick)
     print(f"copy bandwidth {roof.copy_tbps:.2f} TB/s, read {roof.read_tbps:.2f} TB/s, bf16 mm {roof.bf16_tflops:.0f} TFLOP/s")
     cases = [c for c in CASES if args.cases is None or c.name in args.cases.split(",")]
@@ -301,18 +405,26 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     for case in common.progress(cases, desc="cases"):
         rows += run_case(case, roof, args.sweep, args.quick, skipped)
+    ref_path = _reference_file(args.reference_json, str(env.get("device_name")))
+    reference = import_library_rows(ref_path, env, rows, skipped) if ref_path is not None else None
     summary = {"roofline": roof.to_dict(), "shapes": {"H": H, "Hk": HK, "D": D, "page": PAGE},
-               "skipped": skipped, **summarize(rows)}
-    path = common.write_results("triton_attn", {"rows": rows, "summary": summary})
+               "skipped": skipped, "reference_rows": reference, **summarize(rows)}
+    path = common.result_path("triton_attn", env)
+    png = plot(rows, roof, path.with_suffix(".png"))
+    payload = {"env": env, "rows": rows, "summary": summary, "plots": [png.name] if png else []}
+    path = common.write_results("triton_attn", payload, path=path)
     for r in rows:
         if r["provider"] != "vattn_triton_sweep":
+            src = " [earlier run]" if r.get("source") else ""
             print(f"{r['case']:20s} {r['provider']:20s} {r['ms']:8.4f} ms {r['tbps']:6.2f} TB/s "
-                  f"{r['tflops']:7.1f} TFLOP/s diff={r['max_abs_diff']}")
+                  f"{r['tflops']:7.1f} TFLOP/s diff={r['max_abs_diff']}{src}")
+    if reference:
+        print("library rows from", reference["file"], reference["date"])
     for t in summary["targets"]:
         print(f"target {t['target']:34s} need {t['need']:.2f} got {t['ratio']} met={t['met']}")
     print("best configs:", summary["best_triton_config"])
     print("skipped:", skipped)
-    print("wrote", path)
+    print("wrote", path, png)
     return 0
 
 

@@ -45,6 +45,7 @@ class Variant(NamedTuple):
     fp8_compute: str = "fp16"
     maxnreg: int | None = None
     v_asm: bool = True
+    k_asm: bool = False
 
     @property
     def config(self) -> tua.UnifiedAttentionConfig:
@@ -101,7 +102,28 @@ def _plan_fp8() -> list[Variant]:
     return v
 
 
-PLANS = {"full": _plan_full, "smoke": _plan_smoke, "fp8": _plan_fp8}
+def _plan_r3() -> list[Variant]:
+    """Third round: one offset tensor for K and V, unsigned page arithmetic, fp8 keys via PTX."""
+    v: list[Variant] = []
+    f8 = "decode_64x4096_fp8"
+    for n, st, w, reg in [(64, 3, 4, 128), (64, 3, 4, None), (128, 3, 4, None), (128, 3, 4, 168), (32, 3, 4, None),
+                          (32, 4, 4, None), (64, 4, 4, 128)]:
+        for k_asm in (False, True):
+            v.append(Variant(f8, 16, n, w, st, 1, "fp16", reg, True, k_asm))
+    v.append(Variant(f8, 16, 64, 4, 3, 2, "fp16", 128, True, True))
+    d = "decode_64x4096"
+    v += [Variant(d, 16, 32, 4, 3), Variant(d, 16, 32, 4, 4), Variant(d, 16, 32, 4, 3, 1, "fp16", 96),
+          Variant(d, 16, 64, 4, 3, 1, "fp16", 128), Variant(d, 16, 64, 4, 4, 1, "fp16", 128), Variant(d, 16, 128, 4, 2),
+          Variant(d, 16, 32, 4, 3)]
+    for case, splits in (("decode_1x32768", 64), ("decode_4x32768", 16)):
+        v += [Variant(case, 16, 32, 4, 3, splits), Variant(case, 16, 32, 4, 4, splits),
+              Variant(case, 16, 64, 4, 3, splits, "fp16", 128)]
+    p = "prefill_8x2048"
+    v += [Variant(p, 128, 64, 8, 3), Variant(p, 128, 64, 8, 4), Variant(p, 128, 128, 8, 3, 1, "fp16", 255)]
+    return v
+
+
+PLANS = {"full": _plan_full, "smoke": _plan_smoke, "fp8": _plan_fp8, "r3": _plan_r3}
 
 
 def _smoke_setup() -> None:
@@ -126,6 +148,7 @@ def _batch(case_name: str) -> bta.Batch:
 def _set_compute(v: Variant) -> None:
     tua.FP8_KV_COMPUTE = {"fp16": torch.float16, "bf16": None}[v.fp8_compute]
     tua.FP8_V_ASM = v.v_asm
+    tua.FP8_K_ASM = v.k_asm
 
 
 def _sync() -> None:
@@ -236,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "errors": {str(k): e for k, e in errors.items()}}})
     for case_name in by_case:
         t = common.Table(["block_m", "tile_n", "num_warps", "num_stages", "num_splits", "fp8_compute", "maxnreg",
-                          "v_asm", "ms",
+                          "v_asm", "k_asm", "ms",
                           "tbps", "tflops", "rel_err", "nan"], title=case_name)
         t.extend(sorted((r for r in rows if r["case"] == case_name and "ms" in r), key=lambda r: r["ms"]))
         t.print()

@@ -164,13 +164,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    owns_group = args.tp > 1 and not torch.distributed.is_initialized()
+    had_group = torch.distributed.is_initialized()
     tp, device = init_tensor_parallel(args.tp, args.device)
     args.device = str(device)
     try:
         return _run(args, tp)
     finally:
-        if owns_group:
+        if not had_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
@@ -240,7 +240,8 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
     }
     if not lead:
         return result
-    print(f"model {args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, compile={args.compile}, "
+    print(f"model {args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, "
+          f"compile={args.compile}, "
           f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
           + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))
     print(f"prefill: {prefill_tok} tokens, {result['prefill_tok_s']:.1f} tok/s | decode: {decode_tok} tokens, "

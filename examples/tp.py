@@ -23,6 +23,20 @@ them. On GPUs ``TensorParallel.enable_symm_mem`` switches the row-parallel all-r
 PyTorch's one-shot symmetric-memory kernel (``torch.ops.symm_mem.one_shot_all_reduce_copy``,
 peer-to-peer loads over NVLink, no multicast), which is faster than NCCL for small decode messages.
 
+Decisions:
+
+* Scheduling: every rank runs the same deterministic scheduler (``examples.engine``) on the same
+  requests, so the step's metadata needs no broadcast; each step rank 0's sampled tokens are
+  broadcast (``TensorParallel.broadcast_from_first``, the engine's ``token_sync``) so that the
+  ranks agree even on near-ties or with temperature sampling. One small broadcast per step, at
+  the step's one host sync.
+* Embedding and LM head are both vocab-parallel (one extra all-reduce of (T, hidden) per step;
+  1/N of the table per rank) and share their shard when the embeddings are tied.
+* gloo: ``_c10d_functional`` all_reduce / all_gather_into_tensor run on gloo CPU tensors in
+  torch 2.13, eagerly and under ``torch.compile(fullgraph=True)`` (aot_eager, inductor and
+  ``vattn.compile``, whose pieces then contain the all-reduces and are still compiled once per
+  distinct layer), so the CPU tests exercise the same code as the GPUs.
+
 Usage (``examples/generate.py --tp N`` does this)::
 
     tp, device = init_tensor_parallel(2, "cuda")       # inside `torchrun --nproc-per-node 2`
@@ -66,9 +80,9 @@ class TensorParallel:
     Args:
         rank: this rank's index in the group (0 .. size-1).
         size: ranks in the group; 1 = no parallelism (every collective is the identity).
-        group: the ``ProcessGroup`` (default: the world group when ``size > 1``). Layers can be
-            *built* with ``group=None`` and ``size > 1`` (to inspect shapes or shard weights in one
-            process); running them then raises.
+        group: the ``ProcessGroup`` of the ranks (``init_tensor_parallel`` passes the world group).
+            With ``group=None`` and ``size > 1`` layers can be *built* (to inspect shapes or shard
+            weights in one process) but running them raises.
     """
 
     def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
@@ -97,6 +111,10 @@ class TensorParallel:
         if self.symm_buffer is not None:
             # One-shot P2P all-reduce: copies x into this rank's symmetric buffer, then every rank
             # reads every peer's buffer. The buffer slice must have x's shape (the op checks).
+            # A constant message: Dynamo cannot trace an f-string of symbolic sizes here.
+            torch._check(x.numel() <= self.symm_buffer.numel(), lambda: (
+                "symmetric-memory all-reduce: more tokens than enable_symm_mem(max_tokens=...) sized the "
+                "buffer for; raise max_tokens to the largest batch the model runs."))
             buf = self.symm_buffer[: x.numel()].view(x.shape)
             return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x.contiguous(), "sum", name)
         return funcol.all_reduce(x, "sum", name)
@@ -199,12 +217,13 @@ class RowSlice:
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
-        raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size ({d}); pick --tp that divides it.")
+        raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size ({d}); "
+                         "pick --tp that divides it.")
     return n // d
 
 
 def split_rows(n: int, tp: TensorParallel, what: str) -> RowSlice:
-    """Rank ``tp.rank``'s equal share of ``n`` rows (``n`` divisible by ``tp.size``, else ValueError naming ``what``)."""
+    """Rank ``tp.rank``'s equal share of ``n`` rows (``n`` divisible by ``tp.size``, else a ValueError naming ``what``)."""
     per = _divide(n, tp.size, what)
     return RowSlice(n, tp.rank * per, per)
 

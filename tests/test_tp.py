@@ -10,6 +10,10 @@ Two configurations: Llama GQA (4 query / 2 KV heads, so 2 / 1 per rank; q/k/v/o 
 odd vocabulary, so the last vocab shard is padded) and Qwen3 with one KV head (tp 2 > 1 KV head:
 the head is replicated) and tied embeddings. Rendezvous: a ``TCPStore`` this process hosts on
 127.0.0.1, port chosen by the OS (no race for a free port); gloo over the loopback interface.
+
+Also here: the sharding itself in one process (weights of every rank rebuild the TP=1 model's),
+``torchrun ... examples/generate.py --tp 2`` and ``benchmarks/bench_tp.py`` on gloo, and the GPU
+version of the parity test (``cuda`` marker, 2 GPUs: NCCL, bf16, CUDA-graph replay vs eager).
 """
 
 from __future__ import annotations
@@ -41,10 +45,10 @@ PROMPTS = [(5, 0), (23, 0), (12, 2), (1, 4)]  # (length, arrival step): chunked 
 CASES: dict[str, ModelConfig] = {
     "llama-gqa": ModelConfig(
         vocab_size=509, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=128, attention_bias=True, mlp_bias=True),
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=128, attention_bias=True, mlp_bias=True),
     "qwen3-kv-replicated": ModelConfig(
         arch="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
         tie_word_embeddings=True),
 }
 

@@ -389,7 +389,8 @@ def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
              COMPUTE_DTYPE=tl.bfloat16 if kv == "bf16" else tl.float16, DOT_FP32=False, CAUSAL=True,
              USE_WINDOW=feats, USE_SOFTCAP=feats, USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16",
              KV_FP8=kv != "bf16", OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0,
-             V_CVT={"bf16": 0, "fp8e4nv": 1, "fp8e5": 2}[kv])
+             V_CVT={"bf16": 0, "fp8e4nv": 1, "fp8e5": 2}[kv], KV_SAME=kv != "fp8e5",
+             K_CVT=2 if kv == "fp8e5" else 0)
     return compile_(_unified_attention_kernel, ptr, c, warps, 3)
 
 decode = attn(splits=16, feats=True)

@@ -207,7 +207,7 @@ class AttnQuantFusionPass(VattnPass):
             kwargs = {a.name: mc.get(a.name) for a in op._schema.arguments}
             kwargs.update(output=out8, output_scale=quant.scale)
             fused = call(graph, op, (), kwargs)
-        with graph.inserting_after(fused):
+        with graph.inserting_before(fused.next):
             result = replay(graph, chain, base8)
         # Uses of the quantized tensor now read the fused fp8 output.
         if quant.opaque is None:

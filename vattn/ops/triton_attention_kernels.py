@@ -81,12 +81,13 @@ def _attend_tiles(
     TILE_N: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
-    V_CVT: tl.constexpr,
+    V_CVT: tl.constexpr, K_CVT: tl.constexpr, KV_SAME: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
-    ``V_CVT``: 0 casts the value tile with ``.to(COMPUTE_DTYPE)``; 1 / 2 convert an e4m3 /
-    e5m2 tile to fp16 with ``_fp8_to_f16`` (GPU only)."""
+    ``V_CVT`` / ``K_CVT``: 0 casts the value / key tile with ``.to(COMPUTE_DTYPE)``; 1 / 2
+    convert an e4m3 / e5m2 tile to fp16 with ``_fp8_to_f16`` (GPU only). ``KV_SAME``: the key and value caches
+    share their strides (views of one tensor), so one offset tensor addresses both."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     offs_t = tl.arange(0, TILE_N)
@@ -97,28 +98,35 @@ def _attend_tiles(
     # wait_group 0 every iteration: no load then overlaps any compute.)
     n_lim = tl.minimum(seq_len, j_hi * TILE_N)  # tokens this loop reads
     nxt = j_lo * TILE_N + offs_t
-    blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < n_lim, other=0)
+    # Unsigned: token -> (page, slot) is a shift and a mask for power-of-two page sizes.
+    blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
     for j in range(j_lo, j_hi):
         offs_n = j * TILE_N + offs_t
         blk = blk_next.to(tl.int64)
         nxt = offs_n + TILE_N
-        blk_next = tl.load(bt_row_ptr + nxt // PAGE_SIZE, mask=nxt < n_lim, other=0)
+        blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
         if MASK:
             n_ok = offs_n < seq_len
-            k_mask = d_ok[:, None] & n_ok[None, :]
-            v_mask = n_ok[:, None] & d_ok[None, :]
+            kv_mask = n_ok[:, None] & d_ok[None, :]
         else:
-            k_mask = d_ok[:, None]
-            v_mask = d_ok[None, :]
-        in_page = offs_n % PAGE_SIZE
-        # K^T tile (HEAD_PAD, TILE_N): contiguous along head_dim.
-        k_ptrs = (k_head_ptr + (blk * stride_kb + in_page * stride_ks)[None, :]
-                  + offs_d[:, None] * stride_kd)
+            kv_mask = d_ok[None, :]
+        in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
+        # K and V tiles (TILE_N, HEAD_PAD), contiguous along head_dim, in one layout: the
+        # block-table entries and (same strides, the usual case) the offsets serve both.
+        k_off = (blk * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :] * stride_kd
+        if KV_SAME:
+            v_off = k_off
+        else:
+            v_off = (blk * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :] * stride_vd
         if HEAD_PAD != HEAD_SIZE or MASK:
-            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+            k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
         else:
-            k = tl.load(k_ptrs)
-        k = k.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
+            k = tl.load(k_head_ptr + k_off)
+        if K_CVT != 0:
+            k = _fp8_to_f16(k.to(tl.uint8, bitcast=True), K_CVT == 2)
+        else:
+            k = k.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
+        k = tl.trans(k)
         if DOT_FP32:  # exact fp32 (fp32 models, and the CPU interpreter whose bf16 dot is wrong)
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -154,12 +162,10 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None]
-        v_ptrs = (v_head_ptr + (blk * stride_vb + in_page * stride_vs)[:, None]
-                  + offs_d[None, :] * stride_vd)
         if HEAD_PAD != HEAD_SIZE or MASK:
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+            v = tl.load(v_head_ptr + v_off, mask=kv_mask, other=0.0)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(v_head_ptr + v_off)
         if V_CVT != 0:
             v = _fp8_to_f16(v.to(tl.uint8, bitcast=True), V_CVT == 2)
         else:
@@ -190,7 +196,7 @@ def _unified_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
-    FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, K_CVT: tl.constexpr, KV_SAME: tl.constexpr,
 ):
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -294,21 +300,21 @@ def _unified_attention_kernel(
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT)
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, K_CVT, KV_SAME)
     acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
         acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
         tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
         qk_scale2, softcap_in, softcap_out, window_left, window_right,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT)
+        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, K_CVT, KV_SAME)
     acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
         acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
         tl.maximum(s_lo, u_hi), s_hi, seq_len,
         qk_scale2, softcap_in, softcap_out, window_left, window_right,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT)
+        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, K_CVT, KV_SAME)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -34,8 +34,9 @@ def _static_fp8_quant_kernel(
         s = tl.load(scale_ptr).to(tl.float32)
     y = tl.math.div_rn(x, s)
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))  # NaN stays NaN
-    if FP8_ROUND_FIX:
-        y = round_to_fp8_grid(y, FP8_ROUND_FIX)
+    if FP8_ROUND_FIX:  # the interpreter's cast mis-rounds; the fix loses the sign of zero
+        r = round_to_fp8_grid(y, FP8_ROUND_FIX)
+        y = tl.where(r == 0.0, y * 0.0, r)
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

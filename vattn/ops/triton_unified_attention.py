@@ -47,6 +47,8 @@ SPLIT_SCRATCH_BYTES = 16 << 20
 
 FP8_V_ASM: bool = True
 """Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
+FP8_K_ASM: bool = False
+"""Likewise for key tiles (else Triton converts them after its shared -> dot-layout load)."""
 
 FP8_KV_COMPUTE: torch.dtype | None = torch.float16
 """Matrix-operand dtype of fp8-KV attention with a 16-bit query (None: the query's dtype).
@@ -356,7 +358,7 @@ def unified_attention(
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
-        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, **launch,
+        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, K_CVT=v_cvt if FP8_K_ASM else 0, KV_SAME=k_cache.stride() == v_cache.stride(), **launch,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
