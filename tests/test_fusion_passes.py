@@ -371,6 +371,11 @@ def test_pass_uuids_change_with_options() -> None:
     pm = PostGradPassManager([q(), a()])
     assert pm.uuid() != PostGradPassManager([q(fold_backends=["CUSTOM"]), a()]).uuid()
     assert pm.uuid() != PostGradPassManager([a(), q()]).uuid()
+    # decisions depend on the layers' backends: the same graph for another backend must not hit the cache
+    ref, sdpa = make("CUSTOM").cfg, make("TORCH_SDPA").cfg
+    assert a(ref).uuid() != a(sdpa).uuid()
+    assert q(ref, fold_backends=["CUSTOM"]).uuid() != q(sdpa, fold_backends=["CUSTOM"]).uuid()
+    assert q(ref).uuid() == q(sdpa).uuid()  # without folding the backend does not matter
 
 
 # ---- defunctionalize: copies ------------------------------------------------------------------
@@ -443,3 +448,21 @@ def test_inductor_full_graph_fuses_query_and_output_quant() -> None:
     assert len(k_on) <= len(k_off) - 2
     torch.testing.assert_close(off, want, rtol=1e-5, atol=1e-5)
     fp8_close(on, want)
+
+
+def test_example_model_fp8_compiled_with_passes_matches_eager() -> None:
+    """The example model (fp8 cache, scales from the first batch, fp8 q): vattn.compile with the
+    passes gives the eager greedy tokens, and the q quant of every distinct piece was fused."""
+    from test_quant_fp8 import build_model, greedy, prompts
+
+    model, cfg, kv = build_model("fp8", "CUSTOM")
+    ps = prompts(n=4)
+    eager = greedy(model, cfg, kv, ps, 4)  # computes the scales in its prefill
+    cfg2 = with_passes(cfg, PASSES)
+    torch._dynamo.reset()
+    compiled = vattn.compile(model, cfg2)
+    got = greedy(model, cfg2, kv, ps, 4, forward=compiled)
+    matches = compiled.backend.pass_manager.matches
+    print(f"\n[example model, fp8, piecewise] matches {matches}, pieces {compiled.backend.num_unique_pieces}")
+    assert torch.equal(got, eager)
+    assert matches["query_quant_fusion"] == 2  # the first piece and the (shared) middle piece hold a q quant

@@ -40,7 +40,13 @@ from vattn.backends.abstract import (
     AttentionType,
     is_fp8_kv_cache,
 )
-from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata, get_kv_cache_layout
+from vattn.backends.utils import (
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    check_kv_cache_shape_args,
+    paged_kv_stride_order,
+)
 from vattn.config import CUDAGraphMode
 from vattn.ops.kv_store import fp8_dtype_for, store_kv
 
@@ -177,16 +183,13 @@ class FlashAttentionBackend(AttentionBackend):
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
     ) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Identity for NHD; ``(0, 1, 3, 2, 4)`` for HND."""
-        return (0, 1, 3, 2, 4) if get_kv_cache_layout() == "HND" else (0, 1, 2, 3, 4)
+        return paged_kv_stride_order()
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -38,6 +38,8 @@ from vattn.backends.abstract import (
     is_fp8_kv_cache,
 )
 from vattn.backends.utils import (
+    check_kv_cache_shape_args,
+    paged_kv_stride_order,
     AttentionMetadataBuilder,
     AttentionSpec,
     CommonAttentionMetadata,
@@ -164,16 +166,13 @@ class FlashInferBackend(AttentionBackend):
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
     ) -> tuple[int, ...]:
         """``(num_blocks, 2, block_size, num_kv_heads, head_size)``: FlashInfer's paged layout."""
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Identity for NHD; ``(0, 1, 3, 2, 4)`` for HND (heads before tokens in memory)."""
-        return (0, 1, 3, 2, 4) if get_kv_cache_layout() == "HND" else (0, 1, 2, 3, 4)
+        return paged_kv_stride_order()
 
     @classmethod
     def get_supported_head_sizes(cls) -> tuple[int, ...]:

@@ -28,9 +28,10 @@ from vattn.backends.abstract import (
     AttentionType,
 )
 from vattn.backends.utils import (
+    check_kv_cache_shape_args,
+    paged_kv_stride_order,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
-    get_kv_cache_layout,
 )
 from vattn.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchSDPABackend", "TorchSDPAImpl", "TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]
 
-_NHD_ORDER = (0, 1, 2, 3, 4)
-_HND_ORDER = (0, 1, 3, 2, 4)
 _ENCODER_SELF = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
@@ -78,21 +77,13 @@ class TorchSDPABackend(AttentionBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Identity for the NHD layout, ``(0, 1, 3, 2, 4)`` for HND (``get_kv_cache_layout()``)."""
-        layout = get_kv_cache_layout()
-        if layout == "HND":
-            return _HND_ORDER
-        if layout == "NHD":
-            return _NHD_ORDER
-        raise ValueError(f"KV cache layout must be 'NHD' or 'HND', got {layout!r}.")
+        return paged_kv_stride_order()
 
 
 @dataclass

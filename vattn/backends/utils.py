@@ -509,3 +509,19 @@ def infer_global_hyperparameters(
             + ". Use a backend without this restriction (e.g. TRITON_ATTN or FLASH_ATTN)."
         )
     return first
+
+
+def check_kv_cache_shape_args(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> None:
+    """Shared argument check of every backend's ``get_kv_cache_shape``."""
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+
+
+def paged_kv_stride_order() -> tuple[int, int, int, int, int]:
+    """Stride order of a 5-D paged cache whose dims 2, 3 are (block_size, num_kv_heads).
+
+    Identity for ``NHD``; ``(0, 1, 3, 2, 4)`` (heads before tokens in memory) for ``HND``.
+    """
+    return (0, 1, 3, 2, 4) if get_kv_cache_layout() == "HND" else (0, 1, 2, 3, 4)

@@ -32,6 +32,7 @@ attention op is a separate split item and this pass finds nothing to fuse.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -53,6 +54,7 @@ from vattn.compile_passes.fusion_query_quant import (
     erase_if_dead,
     is_view,
     layer_backend,
+    layers_digest,
     parse_mut_call,
     quant_op,
     replay,
@@ -146,6 +148,14 @@ class AttnQuantFusionPass(VattnPass):
     """See the module docstring. No options."""
 
     name = "attn_quant_fusion"
+
+    def uuid(self) -> str:
+        """The source/options hash plus what every layer's backend supports (fusion depends on it)."""
+        def facts(layer: Any) -> tuple[Any, ...]:
+            supported = [bool(layer.impl.fused_output_quant_supported(QuantKey(d))) for d in FP8_DTYPES]
+            return (layer.attn_backend.get_name(), bool(layer.attn_backend.supports_output_quant), *supported)
+
+        return hashlib.sha256(f"{super().uuid()}|{layers_digest(self.config, facts)}".encode()).hexdigest()
 
     def apply(self, graph: fx.Graph) -> int:
         order = {n: i for i, n in enumerate(graph.nodes)}

@@ -31,6 +31,7 @@ quant in ATen) are shared with ``fusion_attn_quant``.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -215,6 +216,14 @@ def _is_fresh_empty(base: Any, allowed: set[fx.Node], allow_later: dict[fx.Node,
     return True
 
 
+def layers_digest(config: VattnConfig | None, facts: Any) -> str:
+    """A hash of ``facts(layer)`` for every registered layer: part of a pass's ``uuid()`` when its
+    decisions depend on the layers' backends (a cached graph must not be reused for others)."""
+    cfg = config if config is not None else get_current_vattn_config()
+    items = sorted((name, repr(facts(layer))) for name, layer in cfg.compilation.static_forward_context.items())
+    return hashlib.sha256(repr(items).encode()).hexdigest()
+
+
 def layer_backend(config: VattnConfig | None, layer_name: Any) -> Any:
     """The ``vattn.Attention`` registered as ``layer_name`` in the config's static forward context."""
     cfg = config if config is not None else get_current_vattn_config()
@@ -268,6 +277,14 @@ class QueryQuantFusionPass(VattnPass):
         options["fold_backends"] = sorted(options.get("fold_backends", ()))
         super().__init__(config, **options)
         self.folded = 0
+
+    def uuid(self) -> str:
+        """The source/options hash, plus each layer's backend when folding depends on it."""
+        base = super().uuid()
+        if not self.options["fold_backends"]:
+            return base
+        digest = layers_digest(self.config, lambda layer: layer.attn_backend.get_name())
+        return hashlib.sha256(f"{base}|{digest}".encode()).hexdigest()
 
     def apply(self, graph: fx.Graph) -> int:
         order = {n: i for i, n in enumerate(graph.nodes)}
