@@ -22,7 +22,15 @@ Row columns: ``ms``, ``tbps`` (KV bytes read / time), ``tflops`` (prefill: 4*H*D
 ``frac_copy_bw`` (of the device copy bandwidth measured in the same run), ``max_abs_diff``
 against the vattn output. ``summary.ratios`` and ``summary.targets`` hold the ratios.
 
-Run on the GPU machine (after the kit installs): ``PYTHONPATH=$PWD python benchmarks/bench_triton_attn.py [--sweep] [--quick]``.
+Libraries not installed in this run: with ``--reference-json auto`` (default) the FlashInfer /
+flash-attn-4 rows of the newest earlier result file for the same device model fill in, each
+marked with a ``source`` column (file, date, library versions) and listed under
+``summary.reference_rows``, so the ratios are then across two runs on the same GPU model.
+A PNG (decode TB/s against the copy bandwidth, prefill TFLOP/s) is written beside the JSON
+and listed under ``plots``.
+
+Run on the GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_triton_attn.py [--sweep] [--quick]``;
+``benchmarks/sweep_triton_attn.py`` times config variants of the kernel (how the defaults were chosen).
 """
 
 from __future__ import annotations
@@ -338,8 +346,8 @@ def import_library_rows(path: Path, env: dict[str, Any], rows: list[dict[str, An
                                             "library rows not imported")
         return None
     have = {(r["case"], r["provider"]) for r in rows}
-    source = (f"{path.name} ({str(old_env.get('date'))[:10]}; flashinfer {old_env.get('flashinfer')}, "
-              f"flash_attn {old_env.get('flash_attn')})")
+    source = (f"run of {old_env.get('date')} on {old_env.get('device_name')} (torch {old_env.get('torch')}, "
+              f"flashinfer {old_env.get('flashinfer')}, flash_attn {old_env.get('flash_attn')})")
     added = []
     for r in data.get("rows", []):
         if r.get("provider") in LIBRARIES and (r["case"], r["provider"]) not in have \

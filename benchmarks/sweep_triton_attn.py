@@ -3,7 +3,8 @@
 Compiles every variant of a plan in parallel worker processes first (Triton's on-disk cache
 then serves the timing process), checks each variant's output against a float32 torch
 reference on a subset of the batch (``rel_err`` = ||out - ref|| / ||ref||), and times it with
-``common.bench`` (median, L2 flushed). Prints a table per case, fastest first; writes JSON
+``common.bench_cuda_graph`` (replays of a captured call: median, L2 flushed; no host
+launch overhead). Prints a table per case, fastest first; writes JSON
 (``common.write_results``) to ``$OUT`` or ``benchmarks/results/``.
 
     PYTHONPATH=$PWD python benchmarks/sweep_triton_attn.py [--plan full] [--jobs 12]
@@ -45,12 +46,12 @@ class Variant(NamedTuple):
     fp8_compute: str = "fp16"
     maxnreg: int | None = None
     v_asm: bool = True
-    k_asm: bool = False
+    one_loop: bool = False
 
     @property
     def config(self) -> tua.UnifiedAttentionConfig:
         return tua.UnifiedAttentionConfig(self.block_m, self.tile_n, self.num_splits, self.num_warps,
-                                          self.num_stages, self.maxnreg)
+                                          self.num_stages, self.maxnreg, self.one_loop)
 
 
 def _plan_full() -> list[Variant]:
@@ -108,9 +109,7 @@ def _plan_r3() -> list[Variant]:
     f8 = "decode_64x4096_fp8"
     for n, st, w, reg in [(64, 3, 4, 128), (64, 3, 4, None), (128, 3, 4, None), (128, 3, 4, 168), (32, 3, 4, None),
                           (32, 4, 4, None), (64, 4, 4, 128)]:
-        for k_asm in (False, True):
-            v.append(Variant(f8, 16, n, w, st, 1, "fp16", reg, True, k_asm))
-    v.append(Variant(f8, 16, 64, 4, 3, 2, "fp16", 128, True, True))
+        v.append(Variant(f8, 16, n, w, st, 1, "fp16", reg))
     d = "decode_64x4096"
     v += [Variant(d, 16, 32, 4, 3), Variant(d, 16, 32, 4, 4), Variant(d, 16, 32, 4, 3, 1, "fp16", 96),
           Variant(d, 16, 64, 4, 3, 1, "fp16", 128), Variant(d, 16, 64, 4, 4, 1, "fp16", 128), Variant(d, 16, 128, 4, 2),
@@ -123,7 +122,27 @@ def _plan_r3() -> list[Variant]:
     return v
 
 
-PLANS = {"full": _plan_full, "smoke": _plan_smoke, "fp8": _plan_fp8, "r3": _plan_r3}
+def _plan_r4() -> list[Variant]:
+    """Fourth round: decode tiles in one masked loop (no pipeline drain before the last tile)."""
+    v: list[Variant] = []
+    for one in (False, True):
+        v += [Variant("decode_64x4096", 16, 32, 4, 3, 1, "fp16", None, True, one),
+              Variant("decode_64x4096", 16, 32, 4, 4, 1, "fp16", None, True, one),
+              Variant("decode_64x4096_fp8", 16, 128, 4, 3, 1, "fp16", None, True, one),
+              Variant("decode_64x4096_fp8", 16, 64, 4, 3, 1, "fp16", 128, True, one)]
+        for case, splits in (("decode_1x32768", 64), ("decode_4x32768", 16)):
+            v += [Variant(case, 16, 32, 4, 3, splits, "fp16", None, True, one),
+                  Variant(case, 16, 32, 4, 4, splits, "fp16", None, True, one)]
+    v += [Variant("decode_64x4096", 16, 32, 4, 3, 1, "fp16", None, True, True),
+          Variant("decode_64x4096_fp8", 16, 128, 4, 3, 1, "fp16", None, True, True),
+          Variant("decode_64x4096_fp8", 16, 128, 4, 4, 1, "fp16", None, True, True),
+          Variant("decode_64x4096_fp8", 16, 64, 4, 4, 1, "fp16", 128, True, True),
+          Variant("decode_64x4096_fp8", 16, 64, 4, 3, 2, "fp16", 128, True, True),
+          Variant("prefill_8x2048", 128, 64, 8, 3)]
+    return v
+
+
+PLANS = {"full": _plan_full, "smoke": _plan_smoke, "fp8": _plan_fp8, "r3": _plan_r3, "r4": _plan_r4}
 
 
 def _smoke_setup() -> None:
@@ -148,7 +167,6 @@ def _batch(case_name: str) -> bta.Batch:
 def _set_compute(v: Variant) -> None:
     tua.FP8_KV_COMPUTE = {"fp16": torch.float16, "bf16": None}[v.fp8_compute]
     tua.FP8_V_ASM = v.v_asm
-    tua.FP8_K_ASM = v.k_asm
 
 
 def _sync() -> None:
@@ -249,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             _sync()
             got = out[sl].float()
             rel = ((got - ref).norm() / ref.norm()).item()
-            r = common.bench(fn, warmup=10, rep=40)
+            r = common.bench_cuda_graph(fn, warmup=10, rep=40) if torch.cuda.is_available() else \
+                common.bench(fn, warmup=10, rep=40)
             row.update(ms=r["median_ms"], p20=r["p20"], p80=r["p80"], rel_err=rel,
                        nan=bool(torch.isnan(out).any().item()),
                        tbps=b.kv_bytes / (r["median_ms"] * 1e-3) / 1e12,
@@ -259,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "errors": {str(k): e for k, e in errors.items()}}})
     for case_name in by_case:
         t = common.Table(["block_m", "tile_n", "num_warps", "num_stages", "num_splits", "fp8_compute", "maxnreg",
-                          "v_asm", "k_asm", "ms",
+                          "v_asm", "one_loop", "ms",
                           "tbps", "tflops", "rel_err", "nan"], title=case_name)
         t.extend(sorted((r for r in rows if r["case"] == case_name and "ms" in r), key=lambda r: r["ms"]))
         t.print()

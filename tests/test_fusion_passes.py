@@ -13,7 +13,7 @@ Run with ``-s`` to see the op lists before and after each pass.
 from __future__ import annotations
 
 import dataclasses
-import os
+import operator
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -92,7 +92,7 @@ class Block(nn.Module):
                                     attn_backend=backend)
         self.attn.set_kv_scales(0.02, 0.02, q_scale=0.01)
         self.out_quant = None if out_quant is None else QuantFP8(dtype=out_dtype, use_custom_op=out_quant == "op")
-        self.register_buffer("o_scale", torch.tensor(0.004))
+        self.register_buffer("o_scale", torch.tensor(0.004, dtype=torch.float32))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).split([NH * D, NKV * D, NKV * D], dim=-1)
@@ -132,16 +132,22 @@ class Setup:
 
 
 def make(backend: str = "CUSTOM", out_quant: str | None = None, *, n: int = 1, out_dtype: torch.dtype = E4M3,
-         **compilation: Any) -> Setup:
+         device: str = "cpu", dtype: torch.dtype = torch.float32, **compilation: Any) -> Setup:
+    """A seeded ``Net`` of ``n`` blocks on an fp8 cache, and one mixed batch (2 decodes, a prefill)."""
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=8, cache_dtype="fp8"),
                             compilation=vattn.CompilationConfig(**compilation))
     torch.manual_seed(0)
-    with vattn.set_current_vattn_config(cfg):
-        net = Net(n, backend, out_quant, out_dtype).eval()
-    kv = vattn.allocate_kv_cache(cfg, num_blocks=16, device="cpu", dtype=torch.float32)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with vattn.set_current_vattn_config(cfg), torch.device(device):
+            net = Net(n, backend, out_quant, out_dtype).eval()
+    finally:
+        torch.set_default_dtype(old)
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=16, device=device, dtype=dtype)
     common = kv.common_metadata([1, 1, 5], [9, 3, 0], [[1, 2], [3], [4]])
-    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(1))
-    return Setup(net, cfg, kv, ids, torch.tensor([9, 3, 0, 1, 2, 3, 4]), common)
+    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(1)).to(device)
+    return Setup(net, cfg, kv, ids, torch.tensor([9, 3, 0, 1, 2, 3, 4], device=device), common)
 
 
 def with_passes(cfg: vattn.VattnConfig, passes: Sequence[str], **compilation: Any) -> vattn.VattnConfig:
@@ -157,7 +163,7 @@ def op_name(n: torch.fx.Node) -> str | None:
     """A readable op name for the op lists (None for getitem and pure view nodes)."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
-    if n.op != "call_function" or n.target is __import__("operator").getitem:
+    if n.op != "call_function" or n.target is operator.getitem:
         return None
     t = n.target
     if t is auto_functionalized_v2:
@@ -259,10 +265,11 @@ def test_query_quant_folded_into_attention() -> None:
 
 def test_query_quant_in_a_split_piece_and_non_matches() -> None:
     """Under vattn.compile's split the quantized q leaves the piece (to the attention op)."""
-    def piece(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def piece(x: torch.Tensor, scale: torch.Tensor, head_scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q8, _ = QuantFP8()(x * 2, scale)
+        qh, _ = QuantFP8(group_shape=GroupShape.PER_HEAD, num_heads=2)(x * 3, head_scales)  # per head
         other, _ = QuantFP8()(x + 1, scale)  # consumed inside the graph: not a query
-        return q8.view(-1, 2, 16), other.float().sum()
+        return q8.view(-1, 2, 16), qh, other.float().sum()
 
     def functional(fn: Callable[..., Any], *args: Any) -> torch.fx.GraphModule:
         from torch._functorch.aot_autograd import aot_function
@@ -278,17 +285,17 @@ def test_query_quant_in_a_split_piece_and_non_matches() -> None:
             aot_function(fn, fw_compiler=grab, decompositions=select_decomp_table())(*args)
         return out["gm"]
 
-    x, scale = torch.randn(5, 32), torch.tensor(0.1)
-    for graph_outputs, matches in ((True, 1), (False, 0)):
-        gm = functional(piece, x, scale)
-        assert count(op_list(gm.graph), QOP) == 2
+    args = (torch.randn(5, 32), torch.tensor(0.1), torch.tensor([0.05, 0.2]))
+    for graph_outputs, matches in ((True, 2), (False, 0)):
+        gm = functional(piece, *args)
+        assert count(op_list(gm.graph), QOP) == 3
         qp = p("query_quant_fusion", None, match_graph_outputs=graph_outputs)
         assert qp(gm.graph) == matches
         gm.recompile()
-        assert count(op_list(gm.graph), QOP) == 2 - matches
-        got, total = gm(x, scale)
-        want, want_total = piece(x, scale)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(total, want_total)
+        assert count(op_list(gm.graph), QOP) == 3 - matches
+        got, want = gm(*args), piece(*args)
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got[:2], want[:2]))
+        assert torch.equal(got[2], want[2])
 
 
 def test_query_quant_after_defunctionalize() -> None:
@@ -461,8 +468,30 @@ def test_example_model_fp8_compiled_with_passes_matches_eager() -> None:
     cfg2 = with_passes(cfg, PASSES)
     torch._dynamo.reset()
     compiled = vattn.compile(model, cfg2)
-    got = greedy(model, cfg2, kv, ps, 4, forward=compiled)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        got = greedy(model, cfg2, kv, ps, 4, forward=compiled)  # caches off: the passes really run
     matches = compiled.backend.pass_manager.matches
     print(f"\n[example model, fp8, piecewise] matches {matches}, pieces {compiled.backend.num_unique_pieces}")
     assert torch.equal(got, eager)
     assert matches["query_quant_fusion"] == 2  # the first piece and the (shared) middle piece hold a q quant
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("split", [True, False], ids=["piecewise", "full_graph"])
+def test_cuda_triton_attn_passes_with_real_kernels(split: bool) -> None:
+    """bf16 on the GPU with TRITON_ATTN: the q quant (and, in the full graph, the output quant)
+    leave the generated code; results stay within fp8 tolerance of eager."""
+    s = make("TRITON_ATTN", "op", n=2, device="cuda", dtype=torch.bfloat16, **({} if split else {"splitting_ops": ()}))
+    want = s.run().float()
+    off, k_off, _ = inductor_run(s, with_passes(s.cfg, ()))
+    on, k_on, compiled = inductor_run(s, with_passes(s.cfg, PASSES))
+    print(f"\n[cuda {'piecewise' if split else 'full graph'}] off: {k_off}\n  on: {k_on}")
+    matches = compiled.backend.pass_manager.matches
+    assert k_off.count(EXTERN_QUANT) == 4 and k_on.count(EXTERN_QUANT) == (0 if not split else 2)
+    assert matches["query_quant_fusion"] == 2 and matches["attn_quant_fusion"] == (0 if split else 2)
+    assert len(k_on) <= len(k_off) - (2 if split else 4)
+    fp8_close(off.float(), want)
+    fp8_close(on.float(), want)

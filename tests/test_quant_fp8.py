@@ -41,6 +41,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, except that any NaN encoding matches any other (NaN payloads carry no value)."""
+    a, b = a.cpu(), b.cpu()
+    na, nb = a.float().isnan(), b.float().isnan()
+    return torch.equal(na, nb) and torch.equal(bits(a)[~na], bits(b)[~nb])
+
+
 def special_inputs(shape: tuple[int, ...], dtype: torch.dtype, nan: bool = True, seed: int = 0) -> torch.Tensor:
     """Random values over many magnitudes, with +-inf, saturating values, zeros (and a NaN)."""
     g = torch.Generator().manual_seed(seed)
@@ -156,11 +163,11 @@ def test_triton_kernel_bitwise_equals_native(fp8: torch.dtype, per_head: bool) -
         scale = (torch.rand(4) + 0.05 if per_head else torch.tensor(0.37)).to(dev)
         out = torch.empty(x.shape, dtype=fp8, device=dev)
         tq.triton_static_fp8_quant(out, x, scale)
-        assert torch.equal(bits(out).cpu(), bits(quantize_fp8_native(x, scale, fp8)).cpu())
+        assert same_fp8(out, quantize_fp8_native(x, scale, fp8))
     out_t = torch.empty(64, 5, dtype=fp8, device=dev).t()  # a non-contiguous out is staged
     x = torch.randn(5, 64, device=dev)
     tq.triton_static_fp8_quant(out_t, x, torch.tensor(0.1, device=dev))
-    assert torch.equal(bits(out_t.contiguous()).cpu(), bits(quantize_fp8_native(x, torch.tensor(0.1, device=dev), fp8)).cpu())
+    assert same_fp8(out_t.contiguous(), quantize_fp8_native(x, torch.tensor(0.1, device=dev), fp8))
 
 
 @pytest.mark.cuda
@@ -170,13 +177,13 @@ def test_cuda_op_uses_kernel_and_matches_native_large() -> None:
     q = QuantFP8()
     got, _ = q(x, s)
     want = quantize_fp8_native(x, s, torch.float8_e4m3fn)
-    assert torch.equal(bits(got), bits(want))
+    assert same_fp8(got, want)
     g = torch.cuda.CUDAGraph()  # no host sync inside: capturable
     with torch.cuda.graph(g):
         got2, _ = q(x, s)
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(bits(got2), bits(want))
+    assert same_fp8(got2, want)
 
 
 # ---- fp8 KV caches end to end on the example model --------------------------------------------
@@ -303,7 +310,11 @@ def test_cuda_fp8_greedy_agreement_and_compiled_passes(backend: str, record_prop
     passes = ("noop_elimination", "query_quant_fusion", "defunctionalize")
     cfg2 = dataclasses.replace(cfg, compilation=dataclasses.replace(cfg.compilation, passes=passes))
     compiled = vattn.compile(model, cfg2)
-    got = greedy(model, cfg2, kv, ps, 16, teacher=ref, forward=compiled)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        got = greedy(model, cfg2, kv, ps, 16, teacher=ref, forward=compiled)  # caches off: the passes run
     assert float((got == eager).float().mean()) >= 0.95
     if backend == "TRITON_ATTN":
         assert compiled.backend.pass_manager.matches["query_quant_fusion"] >= 1

@@ -197,6 +197,23 @@ def test_fp8_kv_cache(kv_dtype: str) -> None:
     check(make_random_batch(spec, seed=6), factor=10.0)
 
 
+@pytest.mark.parametrize("one_loop", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_decode_config_on_mixed_batch(one_loop: bool, kv_dtype: str) -> None:
+    """A decode config (16-row tiles, one masked loop or interior + edge loops) on a mixed
+    batch with a window and sinks: what a CUDA graph captured for decode may replay."""
+    spec = BatchSpec(**MIXED, **SMALL, kv_cache_dtype=kv_dtype, k_scale=0.05, v_scale=0.02)
+    batch = make_random_batch(spec, seed=13)
+    md = _builder(batch).build(0, batch.common)
+    md.config = UnifiedAttentionConfig(16, 16, 2, 4, 3, one_loop=one_loop)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEV)
+    impl = TritonAttentionImpl(4, 32, 32**-0.5, 2, sliding_window=9, sinks=sinks, kv_cache_dtype=kv_dtype)
+    out = torch.zeros_like(batch.query)
+    impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)
+    ref = batch.reference(scale=32**-0.5, sliding_window=9, sinks=sinks)
+    assert_close(out[: batch.num_actual_tokens], ref, torch.float32, factor=10.0 if kv_dtype == "fp8" else 1.0)
+
+
 def test_fp8_query_and_output() -> None:
     spec = BatchSpec(**MIXED, **SMALL, dtype=torch.bfloat16, kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.02)
     batch = make_random_batch(spec, seed=7)
@@ -310,10 +327,13 @@ def test_config_selection_is_static_and_fills_the_gpu() -> None:
     assert sel(num_tokens=4, num_seqs=4, max_seqlen_q=1, **kw).num_splits == 16
     capped = sel(num_tokens=200, num_seqs=1, max_seqlen_q=200, max_split_rows=256, **kw)
     assert capped.num_splits * 200 <= 256
+    assert (big.tile_n, big.num_stages, big.one_loop, big.maxnreg) == (32, 3, True, None)
     fp8 = sel(num_tokens=64, num_seqs=64, max_seqlen_q=1, kv_fp8=True, **kw)
-    assert fp8.tile_n == 32  # narrower tiles keep the fp8 -> bf16 conversion's registers low
+    # fp8: 64-token tiles (same bytes per tile as bf16's 32), registers capped for 4 CTAs/SM.
+    assert (fp8.tile_n, fp8.maxnreg, fp8.one_loop) == (64, 128, True)
     prefill = sel(num_tokens=16384, num_seqs=8, max_seqlen_q=2048, **kw)
     assert (prefill.block_m, prefill.num_splits, prefill.num_warps) == (128, 1, 8)
+    assert (prefill.tile_n, prefill.num_stages, prefill.one_loop) == (64, 3, False)
     assert sel(num_tokens=1, num_seqs=1, max_seqlen_q=1, **kw) == one  # deterministic
     with pytest.raises(ValueError, match="power of two"):
         UnifiedAttentionConfig(24, 16)
@@ -390,7 +410,7 @@ def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
              USE_WINDOW=feats, USE_SOFTCAP=feats, USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16",
              KV_FP8=kv != "bf16", OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0,
              V_CVT={"bf16": 0, "fp8e4nv": 1, "fp8e5": 2}[kv], KV_SAME=kv != "fp8e5",
-             K_CVT=2 if kv == "fp8e5" else 0)
+             ONE_LOOP=m == 16)
     return compile_(_unified_attention_kernel, ptr, c, warps, 3)
 
 decode = attn(splits=16, feats=True)

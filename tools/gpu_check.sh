@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (after the kit's three install calls, see ../shared/device/README.md):
 #   bash tools/gpu_check.sh PHASE [PHASE...]
-# Phases: env, sdpa, triton, flashinfer, flash_attn, layer, compile, cudagraph, model, all-tests,
-#         bench-triton, bench-overhead, bench-e2e, bench-compile, bench-kernels.
+# Phases: env, sdpa, triton, flashinfer, flash_attn, compile, cudagraph, model, all-tests (every test,
+#         GPU ones included, 4 workers), bench-triton, bench-overhead, bench-e2e, bench-compile (cold
+#         start), bench-fp8, bench-kernels.
 # Logs and JSON go to $OUT (or ./gpu-out); each phase is bounded by PHASE_TIMEOUT seconds.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -21,11 +22,13 @@ for phase in "$@"; do
     compile) pt -m "not slow" tests/test_compile.py 2>&1 | tee "$OUT/compile.log" | tail -20;;
     cudagraph) pt -m "not slow" tests/test_cudagraph.py 2>&1 | tee "$OUT/cudagraph.log" | tail -30;;
     model) pt -m "not slow" tests/test_model_parity.py tests/test_generate.py 2>&1 | tee "$OUT/model.log" | tail -20;;
-    all-tests) pt -m "cuda or flashinfer or flash_attn" tests 2>&1 | tee "$OUT/all.log" | tail -40;;
+    all-tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -rs -n 4 --dist loadfile --timeout "$T" \
+                 -m "not slow" tests 2>&1 | tee "$OUT/all.log" | grep -v Warning | tail -40;;
     bench-triton) timeout "$T" python3 benchmarks/bench_triton_attn.py 2>&1 | tee "$OUT/bench_triton.log" | tail -30;;
     bench-overhead) timeout "$T" python3 benchmarks/bench_layer_overhead.py 2>&1 | tee "$OUT/bench_overhead.log" | tail -30;;
     bench-e2e) timeout "$T" python3 benchmarks/bench_e2e.py 2>&1 | tee "$OUT/bench_e2e.log" | tail -30;;
-    bench-compile) timeout "$T" python3 benchmarks/bench_compile.py 2>&1 | tee "$OUT/bench_compile.log" | tail -30;;
+    bench-compile) timeout "$T" python3 benchmarks/bench_compile.py --only coldstart --layers 4 32 2>&1 | tee "$OUT/bench_compile.log" | tail -30;;
+    bench-fp8) timeout "$T" python3 benchmarks/bench_fp8.py 2>&1 | tee "$OUT/bench_fp8.log" | tail -30;;
     bench-kernels) timeout "$T" python3 benchmarks/bench_kernels.py --quick 2>&1 | tee "$OUT/bench_kernels.log" | tail -30;;
     *) echo "unknown phase $phase";;
   esac

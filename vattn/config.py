@@ -91,7 +91,9 @@ class CompilationConfig:
         cudagraph_capture_sizes: batch sizes (tokens) to capture; ``None`` = 1, 2, 4, 8, 16, ...
         max_capture_size: the largest capture size when ``cudagraph_capture_sizes`` is None.
         splitting_ops: ops at which ``vattn.compile`` splits the FX graph.
-        passes: names of the post-grad passes to run (see ``vattn.compile_passes``).
+        passes: names of the post-grad passes to run, in order (see ``vattn.compile_passes``);
+            the fp8 query-quant fusion must stay on for fp8 caches to compile without a
+            standalone quant kernel per layer.
         use_inductor: compile the pieces with Inductor (else run them as FX graphs).
         debug_dump_path: where passes dump graphs before/after, if set.
     """
@@ -103,7 +105,7 @@ class CompilationConfig:
         "vattn::unified_attention",
         "vattn::unified_attention_with_output",
     )
-    passes: tuple[str, ...] = ()
+    passes: tuple[str, ...] = ("noop_elimination", "query_quant_fusion", "attn_quant_fusion", "defunctionalize")
     use_inductor: bool = True
     debug_dump_path: str | None = None
     static_forward_context: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

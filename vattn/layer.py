@@ -272,7 +272,8 @@ class Attention(nn.Module):
             )
         output_dtype = query.dtype
         if self.query_quant is not None:
-            # Plain torch ops: Inductor fuses this into the op that produced q.
+            # Opaque quant op in eager; vattn.compile's query_quant_fusion pass turns it into
+            # plain torch ops that Inductor fuses into the kernel producing q.
             query, _ = self.query_quant(query, self._q_scale)
         hidden_size = self.num_heads * self.head_size
         if output_shape is None:

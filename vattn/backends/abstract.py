@@ -82,7 +82,8 @@ class AttentionBackend(ABC):
     accept_output_buffer: ClassVar[bool] = False
     """The layer allocates the output and the op writes into it (required for piecewise graphs)."""
     supports_quant_query_input: ClassVar[bool] = False
-    """The kernel takes fp8 queries; the layer quantizes q (fusable by Inductor) when the KV cache is fp8."""
+    """The kernel takes fp8 queries: with an fp8 KV cache the layer quantizes q (an opaque op that
+    ``vattn.compile``'s ``query_quant_fusion`` pass makes fusable into the producer of q)."""
     supports_output_quant: ClassVar[bool] = False
     """The kernel can write fp8 output given ``output_scale``."""
 

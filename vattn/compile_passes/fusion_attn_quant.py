@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,14 +86,16 @@ def _per_tensor_scale(s: Any) -> bool:
     return isinstance(s, fx.Node) and isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
 
 
+@dataclass
 class _Quant:
-    """A matched quantization of ``x``: its scale, fp8 dtype, the nodes it consists of, and the
-    nodes whose uses must move to the fused output (``readers``)."""
+    """A matched quantization: its scale, fp8 dtype, its nodes (in order), the node holding the
+    fp8 result (native pattern), or the opaque op's call (``opaque``)."""
 
-    def __init__(self, scale: fx.Node, dtype: torch.dtype, nodes: list[fx.Node], result: fx.Node,
-                 opaque: MutCall | None = None, reader_filter: Any = None) -> None:
-        self.scale, self.dtype, self.nodes, self.result = scale, dtype, nodes, result
-        self.opaque, self.reader_filter = opaque, reader_filter
+    scale: fx.Node
+    dtype: torch.dtype
+    nodes: list[fx.Node]
+    result: fx.Node
+    opaque: MutCall | None = None
 
 
 def match_native_quant(x: fx.Node, n: fx.Node | None) -> _Quant | None:
@@ -174,8 +177,7 @@ class AttnQuantFusionPass(VattnPass):
                 continue
             if not self._layer_supports(mc.get("layer_name"), quant.dtype):
                 continue
-            self._rewrite(graph, mc, chain, quant, order)
-            count += 1
+            count += self._rewrite(graph, mc, chain, quant, order)
         return count
 
     @staticmethod
@@ -205,15 +207,15 @@ class AttnQuantFusionPass(VattnPass):
         )
 
     def _rewrite(self, graph: fx.Graph, mc: MutCall, chain: list[fx.Node], quant: _Quant,
-                 order: dict[fx.Node, int]) -> None:
+                 order: dict[fx.Node, int]) -> bool:
         op = mc.op
         base = mc.base
         with graph.inserting_before(mc.node):
             base8 = call(graph, base.target, base.args, {**base.kwargs, "dtype": quant.dtype})
             out8 = self._output_arg(graph, mc, base8)
-            if out8 is None:
+            if out8 is None:  # an output view the HOP describes in a way we do not rebuild
                 graph.erase_node(base8)
-                return
+                return False
             kwargs = {a.name: mc.get(a.name) for a in op._schema.arguments}
             kwargs.update(output=out8, output_scale=quant.scale)
             fused = call(graph, op, (), kwargs)
@@ -239,6 +241,7 @@ class AttnQuantFusionPass(VattnPass):
         if quant.opaque is not None:
             erase_if_dead(graph, quant.opaque.base)
         _erase_views_and_base(graph, base)
+        return True
 
     @staticmethod
     def _output_arg(graph: fx.Graph, mc: MutCall, base8: fx.Node) -> fx.Node | None:

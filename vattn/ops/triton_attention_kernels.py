@@ -16,7 +16,12 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
   block-table entry per token, so any page size works), loads contiguous along head_dim;
   the entries of the next tile are prefetched a tile ahead so the K/V loads pipeline.
 * the KV range of a q block is split into masked edge tiles (causal diagonal, window edges,
-  the partial last tile) and unmasked interior tiles that skip all mask arithmetic.
+  the partial last tile) and unmasked interior tiles that skip all mask arithmetic; decode
+  configs (``ONE_LOOP``) instead run every tile masked in one loop, so the software pipeline
+  never drains before the last tile.
+* fp8 KV: tiles are cast to fp16 (exact for e4m3 / e5m2), the scales folded into the
+  softmax scale and the output; on sm_89+ the value tile is converted with PTX
+  ``cvt.rn.f16x2.e4m3x2`` before Triton's dot-layout load (``_fp8_to_f16``).
 * split-KV (``NUM_SPLITS > 1``): each split handles a slice of the block's KV tiles and writes
   a normalized partial output plus its log2-sum-exp; ``_combine_splits_kernel`` merges them.
 """
@@ -81,12 +86,12 @@ def _attend_tiles(
     TILE_N: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
-    V_CVT: tl.constexpr, K_CVT: tl.constexpr, KV_SAME: tl.constexpr,
+    V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
-    ``V_CVT`` / ``K_CVT``: 0 casts the value / key tile with ``.to(COMPUTE_DTYPE)``; 1 / 2
-    convert an e4m3 / e5m2 tile to fp16 with ``_fp8_to_f16`` (GPU only). ``KV_SAME``: the key and value caches
+    ``V_CVT``: 0 casts the value tile with ``.to(COMPUTE_DTYPE)``; 1 / 2 convert an e4m3 /
+    e5m2 tile to fp16 with ``_fp8_to_f16`` (GPU only). ``KV_SAME``: the key and value caches
     share their strides (views of one tensor), so one offset tensor addresses both."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
@@ -122,11 +127,10 @@ def _attend_tiles(
             k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_head_ptr + k_off)
-        if K_CVT != 0:
-            k = _fp8_to_f16(k.to(tl.uint8, bitcast=True), K_CVT == 2)
-        else:
-            k = k.to(COMPUTE_DTYPE)  # fp8 dequant (scale folded elsewhere); no-op otherwise
-        k = tl.trans(k)
+        # fp8 dequant (scale folded elsewhere; no-op otherwise). Unlike the value tile, the
+        # key tile's reduction axis (head_dim) is the contiguous one, so Triton's cast after
+        # its shared -> dot-layout load reads 8 bytes at a time: no _fp8_to_f16 needed.
+        k = tl.trans(k.to(COMPUTE_DTYPE))
         if DOT_FP32:  # exact fp32 (fp32 models, and the CPU interpreter whose bf16 dot is wrong)
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -196,7 +200,8 @@ def _unified_attention_kernel(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
-    FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, K_CVT: tl.constexpr, KV_SAME: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -293,28 +298,40 @@ def _unified_attention_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_table_ptr + seq * stride_bt
-    if USE_WINDOW:  # leading edge tiles (left window boundary)
+    if ONE_LOOP:
+        # Decode configs: every tile through the masked path in one software pipeline. The
+        # unmasked interior saves little when loads dominate, and a second loop for the
+        # partial last tile would drain the pipeline and pay a full load latency again.
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-            s_lo, tl.minimum(s_hi, u_lo), seq_len,
+            s_lo, s_hi, seq_len,
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, K_CVT, KV_SAME)
-    acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
-        acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-        tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
-        qk_scale2, softcap_in, softcap_out, window_left, window_right,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, K_CVT, KV_SAME)
-    acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
-        acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-        tl.maximum(s_lo, u_hi), s_hi, seq_len,
-        qk_scale2, softcap_in, softcap_out, window_left, window_right,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, K_CVT, KV_SAME)
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+    else:
+        if USE_WINDOW:  # leading edge tiles (left window boundary)
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
+                s_lo, tl.minimum(s_hi, u_lo), seq_len,
+                qk_scale2, softcap_in, softcap_out, window_left, window_right,
+                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+        acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
+            acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
+            tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
+            qk_scale2, softcap_in, softcap_out, window_left, window_right,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+            False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+        acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
+            acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
+            tl.maximum(s_lo, u_hi), s_hi, seq_len,
+            qk_scale2, softcap_in, softcap_out, window_left, window_right,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -47,8 +47,6 @@ SPLIT_SCRATCH_BYTES = 16 << 20
 
 FP8_V_ASM: bool = True
 """Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
-FP8_K_ASM: bool = False
-"""Likewise for key tiles (else Triton converts them after its shared -> dot-layout load)."""
 
 FP8_KV_COMPUTE: torch.dtype | None = torch.float16
 """Matrix-operand dtype of fp8-KV attention with a 16-bit query (None: the query's dtype).
@@ -73,6 +71,8 @@ class UnifiedAttentionConfig:
         num_warps, num_stages: Triton launch options of the attention kernel.
         maxnreg: register cap per thread (Triton's ``maxnreg``; None = the compiler's
             choice), to fit more programs per SM.
+        one_loop: run every key tile through the masked path in one loop (decode) instead
+            of unmasked interior tiles plus masked edge tiles in separate loops (prefill).
     """
 
     block_m: int
@@ -81,6 +81,7 @@ class UnifiedAttentionConfig:
     num_warps: int = 4
     num_stages: int = 3
     maxnreg: int | None = None
+    one_loop: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n", "num_splits"):
@@ -110,6 +111,11 @@ def _num_sms(device_type: str, index: int | None) -> int:
     if device_type == "cuda":
         return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
     return 4  # the interpreter: a small pretend machine
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
 def device_num_sms(device: torch.device | str) -> int:
@@ -146,25 +152,33 @@ def select_unified_attention_config(
     """Pick the launch config from static sizes only (deterministic: CUDA-graph safe).
 
     Decode-only batches (``max_seqlen_q <= 1``) get a small M tile (one token x the query
-    heads of a KV head) and split KV when ``num_seqs * num_kv_heads`` programs would leave
-    SMs idle; batches with longer queries get 64/128-row tiles for tensor-core throughput.
-    ``num_splits * num_tokens`` never exceeds ``max_split_rows`` (the scratch size). fp8
-    KV decode takes narrower key tiles: the in-register fp8 -> bf16 conversion of a
-    ``head_pad x tile_n`` tile sets the register count, and with it how many CTAs fit an SM.
+    heads of a KV head), every key tile in one masked, software-pipelined loop, and split
+    KV when ``num_seqs * num_kv_heads`` programs would leave SMs idle; batches with longer
+    queries get 64/128-row tiles (wgmma on Hopper) with unmasked interior tiles.
+    ``num_splits * num_tokens`` never exceeds ``max_split_rows`` (the scratch size).
+
+    Measured on an H200 (32 q / 8 KV heads, D 128, page 16; benchmarks/sweep_triton_attn.py):
+    bf16 decode is load-bound and best with 32-token tiles, 3 stages (two tiles in flight),
+    which fit 4 programs per SM; fp8 decode does twice the per-byte work (the cast) and
+    does best with 64-token tiles capped at 128 registers so 4 programs still fit an SM.
     """
     qpk = num_q_heads // num_kv_heads
     hp = head_pad(head_size)
     min_m = max(16, triton.next_power_of_2(qpk))
+    maxnreg = None
+    one_loop = False
     if max_seqlen_q <= 1:
         block_m = min_m
-        tile_n = max(16, 4096 // hp) if kv_fp8 else (64 if hp <= 128 else 32)
-        num_warps, num_stages = 4, (3 if hp <= 128 else 2)
+        tile_n = 64 if kv_fp8 and hp <= 128 else 32
+        num_warps, num_stages, one_loop = 4, 3, True
+        if kv_fp8 and hp <= 128 and block_m == 16:
+            maxnreg = 128
     else:
         big_m = 128 if hp <= 128 else 64
         block_m = max(min_m, min(big_m, triton.next_power_of_2(qpk * max_seqlen_q)))
         tile_n = 64 if hp <= 128 else 32
-        num_warps = 8 if block_m >= 128 else 4
-        num_stages = 3 if hp <= 128 else 2
+        num_warps = 8 if block_m >= 128 or hp > 128 else 4  # D 256 at 4 warps spills
+        num_stages = 3
     block_q = max(1, block_m // qpk)
     programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
     target = SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
@@ -175,7 +189,7 @@ def select_unified_attention_config(
             num_q_heads, head_size)
         while num_splits > 1 and num_splits * num_tokens > rows:
             num_splits //= 2
-    return UnifiedAttentionConfig(block_m, tile_n, num_splits, num_warps, num_stages)
+    return UnifiedAttentionConfig(block_m, tile_n, num_splits, num_warps, num_stages, maxnreg, one_loop)
 
 
 def _as_scale(x: torch.Tensor | float | None, name: str, device: torch.device) -> torch.Tensor:
@@ -332,7 +346,7 @@ def unified_attention(
 
     v_cvt = 0
     if (kv_fp8 and FP8_V_ASM and compute == torch.float16 and q.device.type == "cuda"
-            and torch.cuda.get_device_capability(q.device) >= (8, 9)):
+            and _capability(q.device.index) >= (8, 9)):
         v_cvt = 2 if k_cache.dtype == torch.float8_e5m2 else 1
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.maxnreg is not None and q.device.type == "cuda":
@@ -358,7 +372,8 @@ def unified_attention(
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
-        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, K_CVT=v_cvt if FP8_K_ASM else 0, KV_SAME=k_cache.stride() == v_cache.stride(), **launch,
+        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, KV_SAME=k_cache.stride() == v_cache.stride(),
+        ONE_LOOP=config.one_loop, **launch,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
