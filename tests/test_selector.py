@@ -316,9 +316,8 @@ def test_backend_name_to_enum():
 
 def test_platform_priority_tables():
     cuda, cpu = CudaPlatform(), CpuPlatform()
-    assert cuda.get_attn_backend_priority(128, torch.bfloat16, "auto", 16) == [
-        B.FLASH_ATTN, B.FLASHINFER, B.TRITON_ATTN, B.TORCH_SDPA,
-    ]
+    assert CudaPlatform.attention_priority == (B.FLASH_ATTN, B.FLASHINFER, B.TRITON_ATTN, B.TORCH_SDPA)
+    assert CudaPlatform.hopper_priority == (B.FLASHINFER, B.FLASH_ATTN, B.TRITON_ATTN, B.TORCH_SDPA)
     mla = cuda.get_attn_backend_priority(576, torch.bfloat16, "auto", 64, use_mla=True)
     assert mla[0] is B.FLASHMLA and B.TRITON_MLA in mla and B.FLASH_ATTN not in mla
     assert cpu.get_attn_backend_priority(64, torch.float32, "auto", 16) == [B.TORCH_SDPA]

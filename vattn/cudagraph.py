@@ -401,9 +401,10 @@ class CUDAGraphRunner:
 
         self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
-        mem0, t0 = torch.cuda.memory_reserved(self.device), time.perf_counter()
+        t0 = time.perf_counter()
         warmup_s = 0.0
-        with _fast_capture():
+        with _fast_capture():  # frees cached blocks first, so measure the pool's growth after it
+            mem0 = torch.cuda.memory_reserved(self.device)
             for n in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", disable=not self.show_progress):
                 common = self._dummy_common(n)
                 ids, pos = self.input_ids[:n], self.positions[:n]
