@@ -62,9 +62,8 @@ def test_write_results_to_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     summary = {"nested": {"x": float("nan"), "dt": torch.float8_e4m3fn, "p": Path("/x")}}
     path = common.write_results("unit", {"rows": rows, "summary": summary})
     assert path.parent == tmp_path
-    device = "cpu" if not torch.cuda.is_available() else common.env_info()["device"]
-    assert path.name.startswith("unit-") and path.suffix == ".json"
-    assert (device == "cpu") == path.name.startswith("unit-cpu-")
+    slug = common.device_slug(str(common.env_info()["device_name"]))
+    assert path.name.startswith(f"unit-{slug}-") and path.suffix == ".json"
     data = json.loads(path.read_text())
     assert data["benchmark"] == "unit" and ENV_KEYS <= set(data["env"])
     assert data["rows"] == [{"a": 1, "b": "[1,null]", "c": None, "d": "bfloat16", "e": 2.5}]
