@@ -34,7 +34,13 @@ from vattn.backends.abstract import (
     AttentionMetadata,
     AttentionType,
 )
-from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
+from vattn.backends.utils import (
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    check_kv_cache_shape_args,
+    paged_kv_stride_order,
+)
 from vattn.config import CACHE_DTYPES
 
 if TYPE_CHECKING:
@@ -51,8 +57,6 @@ __all__ = [
     "TritonAttentionMetadataBuilder",
 ]
 
-_NHD_ORDER = (0, 1, 2, 3, 4)
-_HND_ORDER = (0, 1, 3, 2, 4)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SUPPORTED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
@@ -92,18 +96,13 @@ class TritonAttentionBackend(AttentionBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Identity for NHD, ``(0, 1, 3, 2, 4)`` for HND (``get_kv_cache_layout()``)."""
-        from vattn.backends.utils import get_kv_cache_layout
-
-        return _HND_ORDER if get_kv_cache_layout() == "HND" else _NHD_ORDER
+        return paged_kv_stride_order()
 
     @classmethod
     def get_supported_head_sizes(cls) -> tuple[int, ...]:
