@@ -142,8 +142,6 @@ def test_input_errors(vattn_config):
             layer(torch.randn(2, H * D), torch.randn(2, H * D), torch.randn(2, HK * D))
         with pytest.raises(TypeError, match="dtype"):
             layer(torch.randn(2, H * D), torch.randn(2, HK * D).half(), torch.randn(2, HK * D))
-    md = vattn.allocate_kv_cache.__wrapped__ if hasattr(vattn.allocate_kv_cache, "__wrapped__") else None
-    assert md is None
     # cache not bound: metadata present but allocate_kv_cache never called
     from vattn.backends.torch_sdpa import TorchSDPABackend
     from vattn.backends.utils import AttentionSpec

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch.library import Library, infer_schema
 
+from vattn.backends.abstract import AttentionType
 from vattn.forward_context import get_forward_context
 
 __all__ = ["register_op", "vattn_lib"]
@@ -69,7 +70,7 @@ def _run_layer(
 
 def _check_cache(layer, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
     """Cheap host checks (no sync) that the layer's cache is bound and matches the inputs."""
-    if layer.attn_type in ("encoder", "encoder_only"):
+    if layer.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):  # no cache
         return
     if kv_cache.numel() == 0:
         raise RuntimeError(
