@@ -14,7 +14,10 @@ and 64, for:
 | full-direct | eager model whose layers call the backend directly (no opaque op), ``FULL`` graphs |
 
 ``step_ms`` is the median wall time of a whole step (metadata build, padding, replay, LM
-head) timed with CUDA events; ``replay_ms`` (full graphs only) times the graph replay alone.
+head) timed with CUDA events; ``replay_ms`` (full graphs only) times the graph replay alone;
+``host_ms`` is the CPU time to issue one step (``host_ms``). For compiled, piecewise and full,
+``kernels_per_step`` / ``kernel_ms`` (the GPU's busy time) come from a profiler trace, whose
+per-kernel table is under ``kernel_profiles`` in the JSON.
 ``floor_ms`` = bytes of weights a step reads (layers + LM head) / measured read bandwidth.
 
 **coldstart**: time to first token in a fresh process for 4 and 32 layers: build, compile
@@ -103,6 +106,23 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def host_ms(fn: Any, calls: int = 20) -> float:
+    """Host milliseconds per call of ``fn``: ``calls`` calls back to back, timed before the final sync.
+
+    What the CPU spends issuing one step (Python, metadata, launches). Where it is below the
+    step's GPU time, a loop that never syncs keeps the GPU busy; ``calls`` is small enough that
+    the launch queue does not fill and block the host.
+    """
+    fn()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t) * 1e3 / calls
+    _sync()
+    return ms
+
+
 def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
     from benchmarks import roofline
 
@@ -157,6 +177,12 @@ def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
                 entry = runner.full_graphs.get(b)
                 if entry is not None and row["mode"] == "FULL":
                     row["replay_ms"] = common.bench(entry.graph.replay, warmup=25, rep=100)["median_ms"]
+            row["host_ms"] = host_ms(fn)
+            if DEV["device"] == "cuda" and impl in ("compiled", "piecewise", "full"):
+                prof = common.profile_kernels(fn)
+                row.update(kernels_per_step=prof["kernels_per_step"], kernel_ms=prof["kernel_ms_per_step"],
+                           copies_per_step=prof["copies_per_step"])
+                payload.setdefault("kernel_profiles", {})[f"{impl}/b{b}"] = prof
             rows.append(row)
         for layer in cfg.compilation.static_forward_context.values():
             layer.use_direct_call = False
@@ -235,7 +261,7 @@ def run_coldstart(args: argparse.Namespace, payload: dict[str, Any]) -> None:
 def _payload_for_write(payload: dict[str, Any]) -> dict[str, Any]:
     rows = [{"part": "decode", **r} for r in payload.get("decode_rows", [])]
     rows += [{"part": "coldstart", **r} for r in payload.get("coldstart_rows", [])]
-    return {"rows": rows, "summary": payload["summary"]}
+    return {"rows": rows, "summary": payload["summary"], "kernel_profiles": payload.get("kernel_profiles", {})}
 
 
 def main(argv: list[str] | None = None) -> int:

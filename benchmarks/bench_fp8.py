@@ -49,6 +49,7 @@ import gc  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -161,6 +162,8 @@ def measure(step: Step, device: torch.device, quick: bool) -> dict[str, Any]:
     kernels = count_kernels(step, device)
     row["kernels_per_step"] = len(kernels) if device.type == "cuda" else None
     row["quant_kernels"] = sum("_static_fp8_quant_kernel" in k for k in kernels) if device.type == "cuda" else None
+    if device.type == "cuda":
+        row["_kernel_names"] = dict(Counter(common._short_kernel_name(k) for k in kernels).most_common())
     rep = 50 if quick else 200
     row["ms_launch"] = common.bench(step, warmup=10, rep=rep, device=device)["median_ms"]
     if device.type == "cuda":
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if ref is not None and variant == "fp8-fused":
                 row["max_diff_vs_unfused"] = (row["_out"] - ref["_out"]).abs().max().item()
             row["setup_s"] = round(time.perf_counter() - t0, 1)
+            if "_kernel_names" in row:
+                summary.setdefault("kernel_names", {})[f"{backend}/{variant}"] = row["_kernel_names"]
             rows.append(row)
             say(f"{backend:12s} {variant:12s} graph {row.get('ms_graph')} ms, launch {row['ms_launch']:.3f} ms, "
                 f"kernels {row.get('kernels_per_step')} (quant {row.get('quant_kernels')}), matches {row['matches']}")

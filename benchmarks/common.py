@@ -50,6 +50,7 @@ __all__ = [
     "fill_random_kv_",
     "free_memory",
     "plot_panels",
+    "profile_kernels",
     "progress",
     "result_path",
     "split_kv_cache",
@@ -342,6 +343,55 @@ def bench_cuda_graph(
     res["method"] = "cuda_graph+" + str(res["method"])
     del graph
     return res
+
+
+def _short_kernel_name(name: str) -> str:
+    """A kernel name without ``void`` and its trailing parameter list, at most 100 characters."""
+    name = name.removeprefix("void ").strip()
+    if name.endswith(")"):
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i] if i else name
+                break
+    return name[:100]
+
+
+def profile_kernels(fn: Callable[[], Any], *, steps: int = 3, top: int = 25) -> dict[str, Any]:
+    """CUDA kernels one call of ``fn`` runs, from a torch-profiler trace of ``steps`` calls.
+
+    Kernels inside CUDA-graph replays are listed too (CUPTI reports graph nodes). memcpy /
+    memset activities are counted apart.
+
+    Returns:
+        ``{"kernels_per_step", "kernel_ms_per_step" (sum of kernel durations: the GPU's busy
+        time), "copies_per_step", "top": [{"name", "count_per_step", "ms_per_step"}, ...]}``,
+        ``top`` sorted by time, names shortened (``_short_kernel_name``).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by: dict[str, list[float]] = {}
+    copies = 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        if e.name.lower().startswith(("memcpy", "memset")):
+            copies += 1
+            continue
+        by.setdefault(_short_kernel_name(e.name), []).append(e.time_range.elapsed_us() / 1e3)
+    rows = sorted(({"name": k, "count_per_step": len(v) / steps, "ms_per_step": sum(v) / steps}
+                   for k, v in by.items()), key=lambda r: -r["ms_per_step"])
+    return {"kernels_per_step": sum(len(v) for v in by.values()) / steps,
+            "kernel_ms_per_step": sum(sum(v) for v in by.values()) / steps,
+            "copies_per_step": copies / steps, "top": rows[:top]}
 
 
 def free_memory() -> None:

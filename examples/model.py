@@ -241,20 +241,30 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
+        self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        half = head_dim // 2
+        self.register_buffer("swap_halves", torch.cat((torch.arange(half, head_dim), torch.arange(half))),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache.index_select(0, positions).to(q.dtype)[:, None, :]
-        sin = self.sin_cache.index_select(0, positions).to(q.dtype)[:, None, :]
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        cos = self.cos_cache.index_select(0, positions).to(q.dtype)
+        sin = self.signed_sin_cache.index_select(0, positions).to(q.dtype)
+        return _apply_rope(q, cos, sin, self.swap_halves), _apply_rope(k, cos, sin, self.swap_halves)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for x (T, H, D), cos / signed_sin (T, D).
+
+    rotate_half(x) = cat(-x2, x1) is written as the halves swapped (``index_select`` with the
+    permutation ``swap``: index arithmetic, no view of a strided tensor, valid for any token
+    count) times sin with its first half negated, so Inductor computes RoPE, the cos / sin
+    gather and an fp8 quantization after it in one kernel per tensor instead of
+    materialising the ``cat``. Bitwise the same values as the ``cat`` form.
+    """
+    swapped = x.index_select(-1, swap)
+    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
 
 
 class SelfAttention(nn.Module):
@@ -286,13 +296,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        # Heads split on the contiguous projection output: no reshape of a strided slice
+        # (which would make a compiled graph guard on the token count being 1).
+        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope[0](positions, q, k)
-        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)
+        out = self.attn(q, k, v)
         return self.o_proj(out)
 
 

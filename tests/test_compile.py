@@ -8,6 +8,7 @@ tests use ``use_inductor=False`` (Dynamo only), which is fast.
 from __future__ import annotations
 
 import importlib
+import logging
 import random
 import sys
 import textwrap
@@ -26,8 +27,13 @@ ATTN_OP = "vattn::unified_attention_with_output"
 
 
 class TinyLayer(nn.Module):
-    def __init__(self, i: int, attn_backend: object = None, head_size: int = D) -> None:
+    """``strided_reshape``: reshape the strided k slice by the token count, as RoPE code often
+    does (a backed token symbol then guards on it being 1); else split heads on the contiguous
+    projection output, as ``examples/model.py`` does."""
+
+    def __init__(self, i: int, attn_backend: object = None, head_size: int = D, strided_reshape: bool = False) -> None:
         super().__init__()
+        self.strided_reshape = strided_reshape
         self.d = d = head_size
         self.norm1, self.norm2 = nn.RMSNorm(H), nn.RMSNorm(H)
         self.qkv = nn.Linear(H, (NH + 2 * NKV) * d, bias=False)
@@ -39,18 +45,24 @@ class TinyLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.d
-        q, k, v = self.qkv(self.norm1(x)).split([NH * d, NKV * d, NKV * d], dim=-1)
-        k = k.reshape(t, NKV, d)  # reshape of a non-contiguous split, as RoPE code does
         rot = torch.cos(positions[:, None].to(x.dtype) * 0.1)  # position-dependent, like RoPE
-        x = x + self.o(self.attn(q * rot, (k * rot[:, None]).reshape(t, NKV * d), v))
+        if self.strided_reshape:
+            q, k, v = self.qkv(self.norm1(x)).split([NH * d, NKV * d, NKV * d], dim=-1)
+            k = k.reshape(t, NKV, d)  # reshape of a non-contiguous split
+            attn = self.attn(q * rot, (k * rot[:, None]).reshape(t, NKV * d), v)
+        else:
+            q, k, v = self.qkv(self.norm1(x)).view(t, NH + 2 * NKV, d).split([NH, NKV, NKV], dim=1)
+            attn = self.attn(q * rot[:, None], k * rot[:, None], v)
+        x = x + self.o(attn)
         return x + self.down(F.silu(self.up(self.norm2(x))))
 
 
 class TinyModel(nn.Module):
-    def __init__(self, num_layers: int, attn_backend: object = None, head_size: int = D) -> None:
+    def __init__(self, num_layers: int, attn_backend: object = None, head_size: int = D,
+                 strided_reshape: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, H)
-        self.layers = nn.ModuleList(TinyLayer(i, attn_backend, head_size) for i in range(num_layers))
+        self.layers = nn.ModuleList(TinyLayer(i, attn_backend, head_size, strided_reshape) for i in range(num_layers))
         self.norm = nn.RMSNorm(H)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -68,6 +80,7 @@ def build(
     attn_backend: object = None,
     head_size: int = D,
     block_size: int = 8,
+    strided_reshape: bool = False,
     **compilation: object,
 ) -> tuple[TinyModel, vattn.VattnConfig, vattn.PagedKVCache]:
     """A TinyModel of ``num_layers`` (seeded weights), its config and a 64-block KV cache."""
@@ -80,7 +93,7 @@ def build(
     torch.set_default_dtype(dtype)  # the layers record the model dtype at construction
     try:
         with vattn.set_current_vattn_config(cfg):
-            model = TinyModel(num_layers, attn_backend, head_size).eval().to(device)
+            model = TinyModel(num_layers, attn_backend, head_size, strided_reshape).eval().to(device)
     finally:
         torch.set_default_dtype(old)
     kv = vattn.allocate_kv_cache(cfg, num_blocks=64, device=device, dtype=dtype)
@@ -227,16 +240,22 @@ def test_first_call_with_one_token_stays_dynamic() -> None:
     assert compiled.backend.counter.num_graphs_seen == 1
 
 
-def test_backed_fallback_mode_serves_sizes_above_one() -> None:
-    model, cfg, kv = build(2, use_inductor=False)
-    compiled = vattn.compile(model, cfg, dynamic="backed")
-    for i, n in enumerate((5, 2, 12)):
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            common = kv.common_metadata([n], [0], [[1, 2]])
-            ids = torch.randint(0, VOCAB, (n,))
-            got = run(compiled, cfg, kv, ids, torch.arange(n), common)
-        torch.testing.assert_close(got, run(model, cfg, kv, ids, torch.arange(n), common))
-    assert compiled.backend.counter.num_graphs_seen == 1
+def test_strided_reshape_recompiles_once_when_backed_never_when_unbacked(caplog) -> None:
+    """A reshape of a strided slice by the token count guards a backed symbol on T == 1: the
+    default mode traces once more for 1-token steps (and says why); "unbacked" never does."""
+    steps = (5, 1, 12, 1, 3)
+    for dynamic, graphs in ((True, 2), ("unbacked", 1)):
+        model, cfg, kv = build(2, use_inductor=False, strided_reshape=True)
+        compiled = vattn.compile(model, cfg, dynamic=dynamic)
+        with caplog.at_level(logging.WARNING, logger="vattn.compile"):
+            caplog.clear()
+            for n in steps:
+                common = kv.common_metadata([n], [0], [[1, 2]])
+                ids = torch.randint(0, VOCAB, (n,))
+                got = run(compiled, cfg, kv, ids, torch.arange(n), common)
+                torch.testing.assert_close(got, run(model, cfg, kv, ids, torch.arange(n), common))
+        assert compiled.backend.counter.num_graphs_seen == graphs, dynamic
+        assert ("traced the model a second time" in caplog.text) == (graphs == 2)
 
 
 def test_compile_errors_and_forwarding() -> None:

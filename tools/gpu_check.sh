@@ -2,7 +2,7 @@
 # Runs on the GPU machine (after the kit's three install calls, see ../shared/device/README.md):
 #   bash tools/gpu_check.sh PHASE [PHASE...]
 # Phases: env, sdpa, triton, flashinfer, flash_attn, compile, cudagraph, model, all-tests (every test,
-#         GPU ones included, 4 workers), bench-triton, bench-overhead, bench-e2e, bench-compile (cold
+#         GPU ones included, 4 workers), bench-triton, bench-overhead, bench-e2e, bench-compile-decode, bench-compile (cold
 #         start), bench-fp8, bench-kernels.
 # Logs and JSON go to $OUT (or ./gpu-out); each phase is bounded by PHASE_TIMEOUT seconds.
 set -u
@@ -27,6 +27,7 @@ for phase in "$@"; do
     bench-triton) timeout "$T" python3 benchmarks/bench_triton_attn.py 2>&1 | tee "$OUT/bench_triton.log" | tail -30;;
     bench-overhead) timeout "$T" python3 benchmarks/bench_layer_overhead.py 2>&1 | tee "$OUT/bench_overhead.log" | tail -30;;
     bench-e2e) timeout "$T" python3 benchmarks/bench_e2e.py 2>&1 | tee "$OUT/bench_e2e.log" | tail -30;;
+    bench-compile-decode) timeout "$T" python3 benchmarks/bench_compile.py --only decode 2>&1 | tee "$OUT/bench_compile_decode.log" | tail -30;;
     bench-compile) timeout "$T" python3 benchmarks/bench_compile.py --only coldstart --layers 4 32 2>&1 | tee "$OUT/bench_compile.log" | tail -30;;
     bench-fp8) timeout "$T" python3 benchmarks/bench_fp8.py 2>&1 | tee "$OUT/bench_fp8.log" | tail -30;;
     bench-kernels) timeout "$T" python3 benchmarks/bench_kernels.py --quick 2>&1 | tee "$OUT/bench_kernels.log" | tail -30;;

@@ -220,6 +220,8 @@ def pad_common_attn_metadata(
             f"must be at least the batch's {t} tokens / {b} requests."
         )
     extra, spare = bp - b, num_tokens_padded - t
+    if not extra and not spare and _exactly_sized(common):
+        return common  # nothing to pad (a batch of a captured size): no host work
     dev = common.query_start_loc.device
     pad_q_cpu = (torch.arange(extra) < spare).to(torch.int32)
     pad_q = (torch.arange(extra, device=dev) < spare).to(torch.int32)
@@ -243,6 +245,15 @@ def pad_common_attn_metadata(
         max_seq_len=max(common.max_seq_len, 1 if extra and spare else 0),
         causal=common.causal,
     )
+
+
+def _exactly_sized(common: CommonAttentionMetadata) -> bool:
+    """Every per-request / per-token tensor of ``common`` has exactly the batch's length."""
+    b, t = common.num_reqs, common.num_actual_tokens
+    return (common.query_start_loc.shape[0] == common.query_start_loc_cpu.shape[0] == b + 1
+            and common.seq_lens.shape[0] == common.seq_lens_cpu.shape[0] == b
+            and common.num_computed_tokens_cpu.shape[0] == b
+            and common.block_table_tensor.shape[0] == b and common.slot_mapping.shape[0] == t)
 
 
 def is_uniform_decode(common: CommonAttentionMetadata) -> bool:

@@ -9,6 +9,7 @@ environment at access time), so tests and users may change them at run time.
 | ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` or ``HND``: the stride order of the paged KV cache |
 | ``VATTN_DEBUG_CHECKS`` | ``1``: add (syncing) bound checks of slot mappings and block tables |
 | ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every CUDA-graph replay that inputs and metadata sit where the capture read them |
+| ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0`` / ``1``: FLASHINFER decode with the tensor-core (prefill) kernel or the CUDA-core decode kernel (default: the tensor-core kernel) |
 | ``TRITON_INTERPRET`` | Triton's own flag, read here: ``1`` lets TRITON_ATTN run on CPU (the Triton interpreter) |
 | ``VATTN_Q_SCALE_CONSTANT`` etc. | divisors used by ``calc_kv_scales`` (defaults 200, 100, 100) |
 """
@@ -38,6 +39,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VATTN_KV_CACHE_LAYOUT": _opt_str("VATTN_KV_CACHE_LAYOUT"),
     "VATTN_DEBUG_CHECKS": _flag("VATTN_DEBUG_CHECKS"),
     "VATTN_CUDAGRAPH_DEBUG": _flag("VATTN_CUDAGRAPH_DEBUG"),
+    "VATTN_FLASHINFER_DECODE_TENSOR_CORES": _opt_str("VATTN_FLASHINFER_DECODE_TENSOR_CORES"),
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET"),
     "VATTN_Q_SCALE_CONSTANT": _int("VATTN_Q_SCALE_CONSTANT", 200),
     "VATTN_K_SCALE_CONSTANT": _int("VATTN_K_SCALE_CONSTANT", 100),
@@ -49,6 +51,7 @@ if __debug__:  # static names for type checkers
     VATTN_KV_CACHE_LAYOUT: str | None
     VATTN_DEBUG_CHECKS: bool
     VATTN_CUDAGRAPH_DEBUG: bool
+    VATTN_FLASHINFER_DECODE_TENSOR_CORES: str | None
     TRITON_INTERPRET: bool
     VATTN_Q_SCALE_CONSTANT: int
     VATTN_K_SCALE_CONSTANT: int

@@ -83,6 +83,14 @@ def _backend_class(attn_backend: type[AttentionBackend] | str) -> type[Attention
     )
 
 
+def _as_heads(x: torch.Tensor | None, heads: int, head_size: int) -> torch.Tensor | None:
+    """``x`` as (T, heads, head_size): (T, heads * head_size) is viewed, a 3-D tensor passes as is
+    (a strided q/k/v slice is not re-viewed, so a compiled graph never guards on T == 1)."""
+    if x is None or x.dim() == 3:
+        return x
+    return x.view(-1, heads, head_size)
+
+
 class Attention(nn.Module):
     """Paged attention layer: stores new K/V in the cache, then attends.
 
@@ -278,11 +286,9 @@ class Attention(nn.Module):
         hidden_size = self.num_heads * self.head_size
         if output_shape is None:
             output_shape = torch.Size((query.shape[0], hidden_size))
-        query = query.view(-1, self.num_heads, self.head_size)
-        if key is not None:
-            key = key.view(-1, self.num_kv_heads, self.head_size)
-        if value is not None:
-            value = value.view(-1, self.num_kv_heads, self.head_size)
+        query = _as_heads(query, self.num_heads, self.head_size)
+        key = _as_heads(key, self.num_kv_heads, self.head_size)
+        value = _as_heads(value, self.num_kv_heads, self.head_size)
 
         if self.use_output:
             output = torch.empty(output_shape, dtype=output_dtype, device=query.device)

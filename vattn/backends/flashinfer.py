@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from vattn import envs
 from vattn.backends.abstract import (
     AttentionBackend,
     AttentionCGSupport,
@@ -257,6 +258,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         comp = vattn_config.compilation
         self._capture_sizes = set(comp.capture_sizes()) if comp.cudagraph_mode in _FULL_GRAPH_MODES else set()
         self._max_graph_bs = max([comp.max_capture_size, *comp.capture_sizes()])
+        tc = envs.VATTN_FLASHINFER_DECODE_TENSOR_CORES
+        #: Decode through FlashInfer's tensor-core kernel (default) or its CUDA-core decode kernel.
+        self.decode_tensor_cores = tc is None or tc.strip().lower() in ("1", "true", "yes", "on")
         self._prefill_wrapper: Any = None
         self._decode_wrapper: Any = None
         self._graph_wrappers: dict[int, Any] = {}
@@ -331,10 +335,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _new_decode_wrapper(self, graph: _GraphBuffers | None = None, batch_size: int = 0) -> Any:
         from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
+        tc = self.decode_tensor_cores
         if graph is None:
-            return BatchDecodeWithPagedKVCacheWrapper(_workspace(self.device), self.kv_layout, use_tensor_cores=True)
+            return BatchDecodeWithPagedKVCacheWrapper(_workspace(self.device), self.kv_layout, use_tensor_cores=tc)
         return BatchDecodeWithPagedKVCacheWrapper(
-            _workspace(self.device), self.kv_layout, use_cuda_graph=True, use_tensor_cores=True,
+            _workspace(self.device), self.kv_layout, use_cuda_graph=True, use_tensor_cores=tc,
             paged_kv_indptr_buffer=graph.indptr[: batch_size + 1],
             paged_kv_indices_buffer=graph.indices,
             paged_kv_last_page_len_buffer=graph.last_page_len[:batch_size],

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: GPU kernels of a FULL CUDA-graph step, and host time, per backend.
+
+Model: the Llama-3.2-1B shape (``examples/model.py``, random weights, bf16, random KV cache,
+every request at ``--context`` cached tokens) through ``vattn.compile`` and a
+``CUDAGraphRunner`` in ``FULL_DECODE_ONLY`` mode. Per backend and batch size:
+
+| figure | meaning |
+| --- | --- |
+| ``replay_ms`` | the captured full graph replayed alone (GPU time of the forward) |
+| ``step_ms`` | a whole step: metadata build, padding, replay, LM head (GPU timeline, CUDA events) |
+| ``host_ms`` | CPU time to issue one step (timed before the final sync) |
+| ``kernels_per_step`` / ``kernel_ms`` | kernels in one replay and the sum of their durations (profiler) |
+
+The per-kernel table of each replay (name, launches per step, ms per step) is under
+``summary.kernel_profiles``. Backend names: ``FLASHINFER-cudacore`` is FLASHINFER with
+``VATTN_FLASHINFER_DECODE_TENSOR_CORES=0``; ``auto`` is the platform's choice.
+
+    PYTHONPATH=$PWD python benchmarks/profile_step.py                         # auto, FLASHINFER-cudacore, TRITON_ATTN, FLASH_ATTN
+    PYTHONPATH=$PWD python benchmarks/profile_step.py --backends TRITON_ATTN --batches 1 --layers 2
+
+Writes ``profile-<device>-<date>.json`` to $OUT (if set) or benchmarks/results/ after each backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import vattn  # noqa: E402
+from benchmarks import bench_compile, common  # noqa: E402
+
+BACKENDS = ("auto", "FLASHINFER-cudacore", "TRITON_ATTN", "FLASH_ATTN")
+
+
+def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows (one per batch size) and kernel tables for one backend."""
+    backend = None if name == "auto" else name.split("-")[0]
+    if name.endswith("-cudacore"):
+        os.environ["VATTN_FLASHINFER_DECODE_TENSOR_CORES"] = "0"
+    else:
+        os.environ.pop("VATTN_FLASHINFER_DECODE_TENSOR_CORES", None)
+    per = -(-(args.context + 8) // bench_compile.BLOCK)
+    model, cfg, kv = bench_compile.build(args.layers, backend, num_blocks=max(args.batches) * per + 8,
+                                         max_pos=max(8192, args.context + 16))
+    compiled = vattn.compile(model, cfg, dynamic=args.dynamic)
+    runner = vattn.CUDAGraphRunner(compiled, cfg, kv, capture_sizes=tuple(args.batches),
+                                   mode=vattn.CUDAGraphMode.FULL_DECODE_ONLY, show_progress=False)
+    chosen = type(kv.groups[0].builder).__name__
+    rows, tables = [], {}
+    for b in args.batches:
+        ids, pos, cm = bench_compile.decode_batch(kv, b, args.context, seed=b)
+
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                return model.compute_logits(runner(ids, pos, cm))
+
+        step()
+        mode = runner.last_batch_descriptor.mode.name
+        row: dict[str, Any] = {"backend": name, "builder": chosen, "batch": b, "context": args.context,
+                               "layers": args.layers, "dynamic": args.dynamic, "mode": mode,
+                               "step_ms": common.bench(step, warmup=25, rep=100)["median_ms"],
+                               "host_ms": bench_compile.host_ms(step)}
+        entry = runner.full_graphs.get(b)
+        target = entry.graph.replay if entry is not None and mode == "FULL" else step
+        if entry is not None and mode == "FULL":
+            row["replay_ms"] = common.bench(target, warmup=25, rep=100)["median_ms"]
+        prof = common.profile_kernels(target, top=args.top)
+        row.update(kernels_per_step=prof["kernels_per_step"], kernel_ms=prof["kernel_ms_per_step"])
+        tables[f"{name}/b{b}"] = prof
+        rows.append(row)
+        print(f"{name:20s} b{b:<3d} replay {row.get('replay_ms', float('nan')):.3f} ms  step "
+                          f"{row['step_ms']:.3f} ms  host {row['host_ms']:.3f} ms  kernels {prof['kernels_per_step']:.0f}",
+              file=sys.stderr, flush=True)
+    runner.release()
+    return rows, tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--dynamic", choices=("unbacked", "backed"), default="backed")
+    p.add_argument("--top", type=int, default=30, help="kernels kept per table")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_step.py needs a CUDA GPU (run it on the device machine).", file=sys.stderr)
+        return 1
+    env = common.env_info("cuda")
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"kernel_profiles": {}, "errors": []}
+    t0 = time.perf_counter()
+    for name in common.progress(args.backends, desc="backends"):
+        try:
+            r, tables = run_backend(name, args)
+            rows += r
+            summary["kernel_profiles"].update(tables)
+        except Exception as e:  # keep the other backends' figures
+            summary["errors"].append(f"{name}: {type(e).__name__}: {e}"[:600])
+            traceback.print_exc()
+        finally:
+            torch._dynamo.reset()
+            common.free_memory()
+        summary["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        path = common.write_results("profile", {"env": env, "rows": rows, "summary": summary})
+    table = common.Table(["backend", "batch", "replay_ms", "step_ms", "host_ms", "kernels_per_step", "kernel_ms"],
+                         title=f"FULL-graph decode step ({env['device_name']}, context {args.context})")
+    table.extend(rows)
+    table.print()
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
