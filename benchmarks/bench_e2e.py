@@ -220,7 +220,7 @@ class DecodeLoop:
         self.pos, self.pos_cpu = self.pos + 1, self.pos_cpu + 1
         return self.tokens
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, warmup: int = 4) -> tuple[dict[str, Any], torch.Tensor]:
         """Figures of ``steps - warmup`` timed steps, and the (steps, B) tokens."""
         start_len = float(self.pos_cpu.float().mean())

@@ -316,7 +316,7 @@ class Engine:
         positions = torch.tensor(pos + pad, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, positions, common, rows
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: mixing inference tensors in makes a compiled model retrace
     def step(self) -> StepStats:
         """Schedule, run and sample one step (fast-forwards over steps where nothing has arrived)."""
         start = time.perf_counter()

@@ -317,7 +317,7 @@ def test_backend_name_to_enum():
 def test_platform_priority_tables():
     cuda, cpu = CudaPlatform(), CpuPlatform()
     assert CudaPlatform.attention_priority == (B.FLASH_ATTN, B.FLASHINFER, B.TRITON_ATTN, B.TORCH_SDPA)
-    assert CudaPlatform.hopper_priority == (B.FLASHINFER, B.FLASH_ATTN, B.TRITON_ATTN, B.TORCH_SDPA)
+    assert CudaPlatform.hopper_priority == (B.TRITON_ATTN, B.FLASHINFER, B.FLASH_ATTN, B.TORCH_SDPA)
     mla = cuda.get_attn_backend_priority(576, torch.bfloat16, "auto", 64, use_mla=True)
     assert mla[0] is B.FLASHMLA and B.TRITON_MLA in mla and B.FLASH_ATTN not in mla
     assert cpu.get_attn_backend_priority(64, torch.float32, "auto", 16) == [B.TORCH_SDPA]
@@ -346,7 +346,7 @@ def test_cuda_priority_by_dtype_and_capability(monkeypatch):
     cuda = CudaPlatform()
     B = AttentionBackendEnum
     monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda self, device_id=0: DeviceCapability(9, 0))
-    assert cuda.get_attn_backend_priority(128, torch.bfloat16, "auto", 16)[:2] == [B.FLASHINFER, B.FLASH_ATTN]
+    assert cuda.get_attn_backend_priority(128, torch.bfloat16, "auto", 16)[:2] == [B.TRITON_ATTN, B.FLASHINFER]
     assert cuda.get_attn_backend_priority(128, torch.float32, "auto", 16)[0] == B.TORCH_SDPA
     monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda self, device_id=0: DeviceCapability(10, 0))
     assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16)[0] == B.FLASH_ATTN

@@ -236,10 +236,12 @@ class VattnBackend:
         if self.counter.num_graphs_seen == 2:
             logger.warning(
                 "vattn.compile: Dynamo traced the model a second time (a guard of the first graph "
-                "failed; TORCH_LOGS=recompiles names it). With dynamic=True (backed token symbols) "
-                "the usual cause is a reshape of a strided q/k/v slice by the token count, which "
-                "guards on it being 1: split heads on the contiguous projection output (see "
-                "examples/model.py), or pass dynamic='unbacked' to vattn.compile."
+                "failed; TORCH_LOGS=recompiles names it). Usual causes: inputs that are inference "
+                "tensors (made under torch.inference_mode) in some calls and not in others, so make "
+                "them one way (CUDAGraphRunner's buffers are not inference tensors); or, with "
+                "dynamic=True (backed token symbols), a reshape of a strided q/k/v slice by the token "
+                "count, which guards on it being 1: split heads on the contiguous projection output "
+                "(see examples/model.py), or pass dynamic='unbacked'."
             )
         to_compile = {i.name: i for i in items if not i.is_splitting}
         start = time.perf_counter()
@@ -313,14 +315,35 @@ class _PieceCompiler(torch.fx.Interpreter):
             return super().run(*args)
 
     def call_module(self, target: str, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
-        out = super().call_module(target, args, kwargs)
         item = self.to_compile.get(target)
+        out = _traced_outputs(item.graph) if item is not None else None
+        if out is None:  # attention ops (one op: cheap), or a piece without traced values
+            out = super().call_module(target, args, kwargs)
         if item is not None:
             fn = self.backend.compile_piece(item.graph, args, target)
             piece = CUDAGraphPiece(fn, item.index, target)
             self.backend.pieces.append(piece)
             self.module.__dict__[target] = piece  # shadows the submodule in the generated code
         return out
+
+
+def _traced_outputs(gm: fx.GraphModule) -> Any:
+    """The fake values Dynamo recorded for a piece's outputs (None if any is missing).
+
+    They are what running the piece on the fake inputs would return, without running it:
+    a 32-layer model compiles ~30 identical pieces, whose fake execution dominated the
+    backend's time before (``benchmarks/bench_compile.py`` cold start).
+    """
+    node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    missing = []
+
+    def value(n: fx.Node) -> Any:
+        if "val" not in n.meta:
+            missing.append(n)
+        return n.meta.get("val")
+
+    out = fx.node.map_arg(node.args[0], value)
+    return None if missing else out
 
 
 # ---- vattn.compile -----------------------------------------------------------------------
