@@ -2,8 +2,10 @@
 # Runs on the GPU machine (after the kit's three install calls, see ../shared/device/README.md):
 #   bash tools/gpu_check.sh PHASE [PHASE...]
 # Phases: env, sdpa, triton, flashinfer, flash_attn, compile, cudagraph, model, all-tests (every test,
-#         GPU ones included, 4 workers), bench-triton, bench-overhead, bench-e2e, bench-compile-decode, bench-compile (cold
-#         start), bench-fp8, bench-kernels.
+#         GPU ones included, 4 workers), gpu-tests (the GPU-marked ones), profile (profile_step.py),
+#         recompiles (generate.py --compile --cudagraph with TORCH_LOGS=recompiles), bench-triton,
+#         bench-overhead, bench-e2e, bench-compile-decode, bench-compile (cold start), bench-fp8,
+#         bench-kernels.
 # Logs and JSON go to $OUT (or ./gpu-out); each phase is bounded by PHASE_TIMEOUT seconds.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -24,6 +26,11 @@ for phase in "$@"; do
     model) pt -m "not slow" tests/test_model_parity.py tests/test_generate.py 2>&1 | tee "$OUT/model.log" | tail -20;;
     all-tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -rs -n 4 --dist loadfile --timeout "$T" \
                  -m "not slow" tests 2>&1 | tee "$OUT/all.log" | grep -v Warning | tail -40;;
+    gpu-tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -rs -n 4 --dist loadfile --timeout "$T" \
+                 -m "(cuda or flashinfer or flash_attn) and not slow" tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -40;;
+    profile) timeout "$T" python3 benchmarks/profile_step.py 2>&1 | tee "$OUT/profile.log" | tail -16;;
+    recompiles) TORCH_LOGS=recompiles timeout "$T" python3 examples/generate.py --device cuda --dtype bfloat16 \
+                 --preset llama-3.2-1b --compile --cudagraph --no-progress 2>&1 | tee "$OUT/recompiles.log" | grep -v Warning | tail -12;;
     bench-triton) timeout "$T" python3 benchmarks/bench_triton_attn.py 2>&1 | tee "$OUT/bench_triton.log" | tail -30;;
     bench-overhead) timeout "$T" python3 benchmarks/bench_layer_overhead.py 2>&1 | tee "$OUT/bench_overhead.log" | tail -30;;
     bench-e2e) timeout "$T" python3 benchmarks/bench_e2e.py 2>&1 | tee "$OUT/bench_e2e.log" | tail -30;;
