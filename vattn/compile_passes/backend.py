@@ -54,6 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 from torch import nn
 
 from vattn.compile_passes.piecewise import CUDAGraphPiece
@@ -338,12 +339,24 @@ def _traced_outputs(gm: fx.GraphModule) -> Any:
     missing = []
 
     def value(n: fx.Node) -> Any:
-        if "val" not in n.meta:
+        v = n.meta.get("example_value", n.meta.get("val"))  # Dynamo's graphs carry example_value
+        if not isinstance(v, (torch.Tensor, torch.SymInt, int, float, bool)):
             missing.append(n)
-        return n.meta.get("val")
+        return v
 
     out = fx.node.map_arg(node.args[0], value)
-    return None if missing else out
+    if missing:
+        return None
+    return tree_map(lambda v: _fresh_fake(v) if isinstance(v, torch.Tensor) else v, out)
+
+
+def _fresh_fake(v: torch.Tensor) -> torch.Tensor:
+    """A tensor of the fake mode now active with ``v``'s sizes, strides and storage offset
+    (symbolic: one shape env), so Inductor sees the alignment the real input will have."""
+    if v.storage_offset() == 0:
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    base = torch.empty(v.untyped_storage().nbytes() // v.element_size(), dtype=v.dtype, device=v.device)
+    return base.as_strided(v.shape, v.stride(), v.storage_offset())
 
 
 # ---- vattn.compile -----------------------------------------------------------------------
