@@ -29,7 +29,8 @@ run filled ("warm"). Capture seconds and graph-pool memory are reported separate
     PYTHONPATH=$PWD python benchmarks/bench_compile.py --only decode --quick
     PYTHONPATH=$PWD python benchmarks/bench_compile.py --only coldstart --layers 4 32
 
-Writes ``compile-<device>-<date>.json`` to $OUT (if set) or benchmarks/results/, after each part.
+Writes ``compile-<device>-<date>.json`` (``compile-decode-...`` / ``compile-coldstart-...`` with
+``--only``) to $OUT (if set) or benchmarks/results/, after each part.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def run_coldstart(args: argparse.Namespace, payload: dict[str, Any]) -> None:
                     rows.append({"layers": layers, "phase": phase, "error": res.stderr[-2000:]})
                     continue
                 rows.append({"phase": phase, **json.loads(lines[-1])})
-        common.write_results("compile", _payload_for_write(payload))
+        common.write_results(payload["name"], _payload_for_write(payload))
     by = {(r.get("layers"), r.get("phase")): r for r in rows if "error" not in r}
     lo, hi = min(args.layers), max(args.layers)
     if (lo, "cold") in by and (hi, "cold") in by:
@@ -284,14 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_layers is not None:
         coldstart_child(args)
         return 0
-    payload: dict[str, Any] = {"summary": {"context": args.context}}
+    # One file per part when run apart (a later part must not overwrite an earlier one in $OUT).
+    payload: dict[str, Any] = {"summary": {"context": args.context},
+                               "name": "compile" if args.only is None else f"compile-{args.only}"}
     if args.only in (None, "decode"):
         run_decode(args, payload)
-        path = common.write_results("compile", _payload_for_write(payload))
+        path = common.write_results(payload["name"], _payload_for_write(payload))
         print(f"decode part written to {path}", file=sys.stderr)
     if args.only in (None, "coldstart"):
         run_coldstart(args, payload)
-    path = common.write_results("compile", _payload_for_write(payload))
+    path = common.write_results(payload["name"], _payload_for_write(payload))
     for r in _payload_for_write(payload)["rows"]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "error"})
     print(f"written to {path}", file=sys.stderr)

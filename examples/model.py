@@ -247,11 +247,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("swap_halves", torch.cat((torch.arange(half, head_dim), torch.arange(half))),
                              persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each (T, D) in ``dtype``: gathered once per step, shared by all layers."""
+        return (self.cos_cache.index_select(0, positions).to(dtype),
+                self.signed_sin_cache.index_select(0, positions).to(dtype))
+
+    def apply(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` (T, H, D) and ``k`` (T, Hk, D) rotated with ``cos_sin`` (from ``cos_sin``)."""
+        cos, sin = cos_sin
+        return _apply_rope(q, cos, sin, self.swap_halves), _apply_rope(k, cos, sin, self.swap_halves)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache.index_select(0, positions).to(q.dtype)
-        sin = self.signed_sin_cache.index_select(0, positions).to(q.dtype)
-        return _apply_rope(q, cos, sin, self.swap_halves), _apply_rope(k, cos, sin, self.swap_halves)
+        return self.apply(self.cos_sin(positions, q.dtype), q, k)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
@@ -294,7 +303,8 @@ class SelfAttention(nn.Module):
             prefix=f"model.layers.{layer_idx}.self_attn.attn", **extra,
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``cos_sin``: the step's RoPE table rows (``RotaryEmbedding.cos_sin``); x (T, hidden)."""
         T = x.shape[0]
         # Heads split on the contiguous projection output: no reshape of a strided slice
         # (which would make a compiled graph guard on the token count being 1).
@@ -302,7 +312,7 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope[0](positions, q, k)
+        q, k = self.rope[0].apply(cos_sin, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out)
 
@@ -332,8 +342,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -350,8 +360,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, as transformers does
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(cos_sin, x)
         return self.norm(x)
 
 
