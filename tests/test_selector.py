@@ -351,3 +351,12 @@ def test_cuda_priority_by_dtype_and_capability(monkeypatch):
     monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda self, device_id=0: DeviceCapability(10, 0))
     assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16)[0] == B.FLASH_ATTN
     assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16, use_mla=True)[0] == B.FLASHMLA
+
+
+def test_flashinfer_decode_tensor_core_flag(monkeypatch):
+    from vattn import envs
+
+    monkeypatch.delenv("VATTN_FLASHINFER_DECODE_TENSOR_CORES", raising=False)
+    assert envs.VATTN_FLASHINFER_DECODE_TENSOR_CORES is True  # default: the tensor-core kernel
+    monkeypatch.setenv("VATTN_FLASHINFER_DECODE_TENSOR_CORES", "0")
+    assert envs.VATTN_FLASHINFER_DECODE_TENSOR_CORES is False

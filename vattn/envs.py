@@ -26,8 +26,8 @@ def _opt_str(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or None
 
 
-def _flag(name: str) -> Callable[[], bool]:
-    return lambda: os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+def _flag(name: str, default: str = "0") -> Callable[[], bool]:
+    return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
 
 def _int(name: str, default: int) -> Callable[[], int]:
@@ -39,7 +39,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VATTN_KV_CACHE_LAYOUT": _opt_str("VATTN_KV_CACHE_LAYOUT"),
     "VATTN_DEBUG_CHECKS": _flag("VATTN_DEBUG_CHECKS"),
     "VATTN_CUDAGRAPH_DEBUG": _flag("VATTN_CUDAGRAPH_DEBUG"),
-    "VATTN_FLASHINFER_DECODE_TENSOR_CORES": _opt_str("VATTN_FLASHINFER_DECODE_TENSOR_CORES"),
+    "VATTN_FLASHINFER_DECODE_TENSOR_CORES": _flag("VATTN_FLASHINFER_DECODE_TENSOR_CORES", default="1"),
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET"),
     "VATTN_Q_SCALE_CONSTANT": _int("VATTN_Q_SCALE_CONSTANT", 200),
     "VATTN_K_SCALE_CONSTANT": _int("VATTN_K_SCALE_CONSTANT", 100),
@@ -51,7 +51,7 @@ if __debug__:  # static names for type checkers
     VATTN_KV_CACHE_LAYOUT: str | None
     VATTN_DEBUG_CHECKS: bool
     VATTN_CUDAGRAPH_DEBUG: bool
-    VATTN_FLASHINFER_DECODE_TENSOR_CORES: str | None
+    VATTN_FLASHINFER_DECODE_TENSOR_CORES: bool
     TRITON_INTERPRET: bool
     VATTN_Q_SCALE_CONSTANT: int
     VATTN_K_SCALE_CONSTANT: int

@@ -121,8 +121,8 @@ class CudaPlatform(Platform):
     #: Hopper (sm_90), measured on an H200 (benchmarks/results/*-nvidia-h200-*.json). Decode, which
     #: dominates generation: vattn's Triton kernel matches FlashInfer's on the bare kernel (64 x 4k,
     #: 1-4 x 32k: 0.97-1.03x) and beats it in the compiled full-graph step of Llama-3.2-1B (0.99 vs
-    #: 1.13 ms at batch 1, 1.35 vs 1.61 ms at batch 64, context 512), at a fifth of the host time
-    #: per step (no plan), and its fused fp8 step is faster than FlashInfer's fp8 step (3.04 vs
+    #: 1.13 ms at batch 1, 1.35 vs 1.61 ms at batch 64, context 512), at about a quarter of the host
+    #: time per step (no plan), and its fused fp8 step is faster than FlashInfer's fp8 step (3.04 vs
     #: 3.47 ms). flash-attn-4 has no split-KV on sm_90 (8x slower at 1 x 32k) but the fastest
     #: prefill (1.2x the Triton kernel's).
     hopper_priority = (_B.TRITON_ATTN, _B.FLASHINFER, _B.FLASH_ATTN, _B.TORCH_SDPA)

@@ -258,9 +258,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         comp = vattn_config.compilation
         self._capture_sizes = set(comp.capture_sizes()) if comp.cudagraph_mode in _FULL_GRAPH_MODES else set()
         self._max_graph_bs = max([comp.max_capture_size, *comp.capture_sizes()])
-        tc = envs.VATTN_FLASHINFER_DECODE_TENSOR_CORES
         #: Decode through FlashInfer's tensor-core kernel (default) or its CUDA-core decode kernel.
-        self.decode_tensor_cores = tc is None or tc.strip().lower() in ("1", "true", "yes", "on")
+        self.decode_tensor_cores = envs.VATTN_FLASHINFER_DECODE_TENSOR_CORES
         self._prefill_wrapper: Any = None
         self._decode_wrapper: Any = None
         self._graph_wrappers: dict[int, Any] = {}

@@ -54,8 +54,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from vattn.compile_passes.piecewise import CUDAGraphPiece
 from vattn.config import VattnConfig, get_current_vattn_config
