@@ -316,8 +316,6 @@ def make_random_batch(spec: BatchSpec, seed: int = 0) -> RandomBatch:
     for r, t in enumerate(tables):
         bt[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
     slot_mapping = torch.tensor(slot_list + [-1] * pad, dtype=torch.int64)
-    # Cross-attention's slot_mapping covers encoder tokens, more rows than num_actual_tokens
-    # (decoder queries): build with a placeholder, then set it (post-init pads [T:] with -1).
     common = CommonAttentionMetadata(
         query_start_loc=qsl.to(dev),
         query_start_loc_cpu=qsl,
@@ -330,11 +328,12 @@ def make_random_batch(spec: BatchSpec, seed: int = 0) -> RandomBatch:
         num_actual_tokens=num_q,
         max_query_len=max(spec.query_lens + (0,)),
         block_table_tensor=bt.to(dev),
-        slot_mapping=torch.full((num_q + pad,), -1, dtype=torch.int64, device=dev),
+        slot_mapping=slot_mapping.to(dev),
         max_seq_len=max(seq_lens + [0]),
         causal=spec.attn_type == DECODER,
+        # Cross-attention writes one slot per encoder token, not per decoder query token.
+        num_slot_tokens=num_kv if cross else None,
     )
-    common.slot_mapping = slot_mapping.to(dev)
     layer = FakeLayer(k_scale=ks, v_scale=vs, device=dev)
     return RandomBatch(spec, query, key, value, kv_cache, common, tables, full_keys, full_values, layer)
 

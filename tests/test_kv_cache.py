@@ -68,6 +68,23 @@ def test_common_metadata_validates_dtypes():
         vattn.CommonAttentionMetadata(**{**md.__dict__, "block_table_tensor": md.block_table_tensor.long()})
 
 
+def test_num_slot_tokens_keeps_cross_attention_slots():
+    """Cross-attention writes one slot per encoder token, more than the decoder's query tokens:
+    ``num_slot_tokens`` keeps them; by default only the first ``num_actual_tokens`` survive."""
+    md = vattn.build_common_attn_metadata([2], [0], [[0, 1]], 4)
+    slots = torch.tensor([4, 5, 6, 7, 2, 3], dtype=torch.int64)
+    fields = {**md.__dict__, "slot_mapping": slots.clone()}
+    assert vattn.CommonAttentionMetadata(**fields).slot_mapping.tolist() == [4, 5, -1, -1, -1, -1]
+    cross = vattn.CommonAttentionMetadata(**{**fields, "slot_mapping": slots.clone(), "num_slot_tokens": 5})
+    assert cross.slot_mapping.tolist() == [4, 5, 6, 7, 2, -1]
+    with pytest.raises(ValueError, match="num_slot_tokens"):
+        vattn.CommonAttentionMetadata(**{**fields, "slot_mapping": slots.clone(), "num_slot_tokens": 7})
+    from vattn.cudagraph import pad_common_attn_metadata
+
+    with pytest.raises(ValueError, match="cross-attention"):
+        pad_common_attn_metadata(cross, 4)
+
+
 def test_allocate_shapes_layout_and_groups(vattn_config, monkeypatch):
     vattn.Attention(4, 16, 0.25, num_kv_heads=2, prefix="a")
     vattn.Attention(4, 16, 0.25, num_kv_heads=2, prefix="b", per_layer_sliding_window=8)

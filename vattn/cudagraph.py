@@ -219,6 +219,11 @@ def pad_common_attn_metadata(
             f"pad_common_attn_metadata: num_tokens_padded={num_tokens_padded} / num_reqs_padded={bp} "
             f"must be at least the batch's {t} tokens / {b} requests."
         )
+    if common.num_slot_tokens not in (None, t):
+        raise ValueError(
+            f"pad_common_attn_metadata: this batch writes {common.num_slot_tokens} K/V slots for {t} query "
+            "tokens (cross-attention); CUDA graphs pad self-attention batches only, so run it eagerly."
+        )
     extra, spare = bp - b, num_tokens_padded - t
     if not extra and not spare and _exactly_sized(common):
         return common  # nothing to pad (a batch of a captured size): no host work

@@ -67,8 +67,9 @@ class CommonAttentionMetadata:
     | block_table_tensor | (B, max_blocks) int32 | block ids of each request, in order |
     | slot_mapping | (T,) int64 | cache slot (block * block_size + offset) of each new token; -1 = padding |
     | causal | bool | causal masking (False for encoder attention) |
+    | num_slot_tokens | int or None | real entries of slot_mapping: None = num_actual_tokens; cross-attention: the encoder tokens whose K/V this step writes |
 
-    After construction, ``slot_mapping[num_actual_tokens:]`` is filled with -1, so padded
+    After construction, ``slot_mapping[num_slot_tokens:]`` is filled with -1, so padded
     tokens never touch the cache.
     """
 
@@ -84,11 +85,14 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor
     max_seq_len: int = -1
     causal: bool = True
+    num_slot_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _validate_common_metadata(self)
         # Padded tokens must not write into the cache (also inside full CUDA graphs).
-        self.slot_mapping[self.num_actual_tokens :].fill_(-1)
+        real = self.num_actual_tokens if self.num_slot_tokens is None else self.num_slot_tokens
+        if self.slot_mapping.shape[0] > real:
+            self.slot_mapping[real:].fill_(-1)
         if self.max_seq_len < 0:
             self.max_seq_len = int(self.seq_lens_cpu[: self.num_reqs].max()) if self.num_reqs else 0
 
@@ -136,9 +140,13 @@ def _validate_common_metadata(md: CommonAttentionMetadata) -> None:
     if md.seq_lens.shape[0] < md.num_reqs or md.block_table_tensor.shape[0] < md.num_reqs:
         fail("seq_lens/block_table_tensor", f"at least num_reqs = {md.num_reqs} rows",
              (md.seq_lens.shape[0], md.block_table_tensor.shape[0]), "give one row per request.")
-    if md.slot_mapping.shape[0] < md.num_actual_tokens:
+    if md.num_slot_tokens is None and md.slot_mapping.shape[0] < md.num_actual_tokens:
         fail("slot_mapping", f"at least num_actual_tokens = {md.num_actual_tokens} entries",
              md.slot_mapping.shape[0], "give one slot per new token.")
+    if md.num_slot_tokens is not None and not 0 <= md.num_slot_tokens <= md.slot_mapping.shape[0]:
+        fail("num_slot_tokens", f"between 0 and len(slot_mapping) = {md.slot_mapping.shape[0]}",
+             md.num_slot_tokens, "give the number of K/V tokens this step writes (cross-attention: "
+             "the encoder tokens), or None for num_actual_tokens.")
 
 
 class AttentionMetadataBuilder(abc.ABC, Generic[M]):
