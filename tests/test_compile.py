@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vattn
-from vattn.compile_passes.backend import VattnCompiledModel, compilation_counter, piece_key
+from vattn.compile_passes.backend import VattnCompiledModel, _traced_outputs, compilation_counter, piece_key
 from vattn.compile_passes.pass_manager import PostGradPassManager, VattnPass, get_pass_class
 
 H, NH, NKV, D, VOCAB = 32, 2, 1, 16, 64
@@ -407,3 +407,19 @@ def test_passes_run_inside_inductor_on_an_unsplit_graph(tmp_path) -> None:
     (after,) = tmp_path.glob("*_02_after_defunctionalize.py")
     assert before.read_text().count("auto_functionalized") >= 2
     assert "auto_functionalized" not in after.read_text() and "unified_attention_with_output" in after.read_text()
+
+
+def test_traced_outputs_need_every_value() -> None:
+    """Pieces reuse Dynamo's traced output values only when every output has one (else they
+    run on fake inputs); the values come back as fresh tensors with the same layout."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.add.Tensor, (x, 1))
+    g.output((y, x))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert _traced_outputs(gm) is None  # no values recorded
+    base = torch.randn(4, 6)
+    x.meta["example_value"], y.meta["val"] = base[:, 2:], base + 1
+    out = _traced_outputs(gm)
+    assert out[0].shape == (4, 6) and out[1].shape == (4, 4)
+    assert out[1].stride() == (6, 1) and out[1].storage_offset() == 2  # the slice's layout kept
