@@ -63,9 +63,11 @@ BLOCK = 16
 DEV = {"device": "cuda", "preset": "llama-3.2-1b"}
 
 
-def build(layers: int, backend: str | None, num_blocks: int, max_pos: int = 8192) -> tuple[Any, Any, Any]:
+def build(layers: int, backend: str | None, num_blocks: int, max_pos: int = 8192,
+          compile_sizes: tuple[int, ...] = ()) -> tuple[Any, Any, Any]:
     """The Llama-3.2-1B-shaped model with ``layers`` layers on CUDA (bf16), and its KV cache."""
-    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK))
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
+                            compilation=vattn.CompilationConfig(compile_sizes=tuple(compile_sizes)))
     mc = get_preset(DEV["preset"], num_hidden_layers=layers, max_position_embeddings=max_pos)
     dtype = torch.bfloat16 if DEV["device"] == "cuda" else torch.float32
     old = torch.get_default_dtype()

@@ -423,3 +423,40 @@ def test_traced_outputs_need_every_value() -> None:
     out = _traced_outputs(gm)
     assert out[0].shape == (4, 6) and out[1].shape == (4, 4)
     assert out[1].stride() == (6, 1) and out[1].storage_offset() == 2  # the slice's layout kept
+
+
+def test_compile_sizes_specialise_exact_token_counts() -> None:
+    """compile_sizes=(1,): a 1-token step compiles each distinct piece once more for exactly 1
+    token (lazily, with the step's inputs) and matches eager; other sizes keep the general
+    code; no Dynamo recompile either way."""
+    model, cfg, kv = build(3, compile_sizes=(1,))
+    compiled = vattn.compile(model, cfg)
+    counter = compiled.backend.counter
+    steps = [(3, [4]), (1, [6]), (1, [7]), (5, [2])]
+    # Other tests' TinyModels share this forward's code object: allow their compiles too.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for i, (n, ctx) in enumerate(steps):
+            common = kv.common_metadata([n], ctx, [[1, 2]])
+            ids, pos = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(i)), torch.arange(ctx[0], ctx[0] + n)
+            saved = {k: t.clone() for k, t in kv.tensors.items()}
+            got = run(compiled, cfg, kv, ids, pos, common)
+            for k, t in kv.tensors.items():
+                t.copy_(saved[k])
+            torch.testing.assert_close(got, run(model, cfg, kv, ids, pos, common), atol=2e-5, rtol=2e-5)
+            if i == 0:
+                assert counter.num_static_compiles == 0
+            if i == 1:
+                static = counter.num_static_compiles
+                assert static == counter.num_inductor_compiles  # every distinct piece, once
+    assert counter.num_static_compiles == static  # the second 1-token step and the 5-token one: no compile
+    assert counter.num_graphs_seen == 1
+    pieces = compiled.backend.pieces
+    assert all(p.static is not None and set(p.static.fns) == {1} for p in pieces)
+    assert len({id(p.static) for p in pieces}) == counter.num_inductor_compiles  # shared by identical pieces
+
+
+def test_compile_sizes_validation() -> None:
+    with pytest.raises(ValueError, match="compile_sizes must be a tuple of positive token counts"):
+        vattn.CompilationConfig(compile_sizes=(0,))
+    with pytest.raises(TypeError, match="inductor_compile_config must be a dict"):
+        vattn.CompilationConfig(inductor_compile_config=[("max_autotune", True)])  # type: ignore[arg-type]

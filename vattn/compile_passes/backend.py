@@ -39,13 +39,16 @@ backend) and ``compilation_counter`` (process-wide).
 | num_splitting_ops | attention ops left between pieces |
 | num_inductor_compiles | pieces actually compiled (distinct graphs) |
 | num_piece_reuses | pieces that reused an identical piece's compiled code |
+| num_static_compiles | compiles for one exact token count (``compile_sizes``; lazily, per distinct piece) |
 | compile_seconds | wall time spent compiling pieces |
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import hashlib
 import inspect
 import logging
@@ -57,7 +60,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from vattn.compile_passes.piecewise import CUDAGraphPiece
+from vattn.compile_passes.piecewise import CUDAGraphPiece, StaticSizes
 from vattn.config import VattnConfig, get_current_vattn_config
 
 __all__ = [
@@ -82,6 +85,7 @@ class CompilationCounter:
     num_splitting_ops: int = 0
     num_inductor_compiles: int = 0
     num_piece_reuses: int = 0
+    num_static_compiles: int = 0
     compile_seconds: float = 0.0
 
     def snapshot(self) -> "CompilationCounter":
@@ -215,6 +219,7 @@ class VattnBackend:
         self.split_gm: fx.GraphModule | None = None
         self.items: list[SplitItem] = []
         self._compiled: dict[str, Callable[..., Any]] = {}
+        self._static: dict[str, StaticSizes | None] = {}
         self._pass_manager: Any = None
 
     @property
@@ -257,9 +262,10 @@ class VattnBackend:
         self.split_gm, self.items = split_gm, items
         return split_gm
 
-    def compile_piece(self, piece: fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
+    def compile_piece(self, piece: fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                      key: str | None = None) -> Callable[..., Any]:
         """Compiled code for ``piece``; an identical piece compiled before is reused."""
-        key = piece_key(piece, example_inputs)
+        key = key or piece_key(piece, example_inputs)
         fn = self._compiled.get(key)
         if fn is not None:
             _bump(self.counter, num_piece_reuses=1)
@@ -269,12 +275,71 @@ class VattnBackend:
         else:
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {"post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
+            patches = {**self.config.compilation.inductor_compile_config,
+                       "post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
             with _shape_guards_suppressed(example_inputs, self.suppress_guards):
                 fn = compile_fx(piece, list(example_inputs), config_patches=patches)
             _bump(self.counter, num_inductor_compiles=1)
         self._compiled[key] = fn
         return fn
+
+    def static_sizes(self, piece: fx.GraphModule, example_inputs: Sequence[Any], key: str) -> StaticSizes | None:
+        """The ``StaticSizes`` of ``piece`` (shared by identical pieces), or None when
+        ``compile_sizes`` is empty, Inductor is off, or the piece's token count is not one
+        symbol found among its inputs."""
+        cc = self.config.compilation
+        if not cc.compile_sizes or not cc.use_inductor:
+            return None
+        if key in self._static:
+            return self._static[key]
+        locate = _token_count_locator(example_inputs)
+        static = None
+        if locate is not None:
+            # Inductor rewrites a graph it compiles (e.g. its output into a tuple): keep a copy.
+            pristine = fx.GraphModule(piece, copy.deepcopy(piece.graph))
+            static = StaticSizes(frozenset(cc.compile_sizes), locate,
+                                 functools.partial(self._compile_static, pristine))
+        else:
+            logger.info("compile_sizes: piece has no single token-count symbol among its inputs; "
+                        "it runs its general code at every size.")
+        self._static[key] = static
+        return static
+
+    def _compile_static(self, piece: fx.GraphModule, num_tokens: int, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """Inductor code of ``piece`` for exactly ``num_tokens`` tokens, traced from the real ``args``."""
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"coordinate_descent_tuning": True, **self.config.compilation.inductor_compile_config,
+                   "post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn = compile_fx(piece, list(args), config_patches=patches)
+        elapsed = time.perf_counter() - start
+        _bump(self.counter, num_static_compiles=1, compile_seconds=elapsed)
+        logger.info("vattn.compile: piece compiled for %d tokens (%.1fs)", num_tokens, elapsed)
+        return fn
+
+
+def _token_count_locator(example_inputs: Sequence[Any]) -> tuple[int, int | None] | None:
+    """Where a piece's token count is among its (fake) inputs: ``(i, None)`` for a SymInt
+    argument, ``(i, d)`` for dim ``d`` of tensor argument ``i``; None unless the inputs
+    have exactly one free symbol."""
+    symbols: set[Any] = set()
+    found: list[tuple[int, int | None]] = []
+    for i, a in enumerate(example_inputs):
+        if isinstance(a, torch.SymInt):
+            symbols |= a.node.expr.free_symbols
+            if a.node.expr.is_Symbol:
+                found.append((i, None))
+        elif isinstance(a, torch.Tensor):
+            for d, size in enumerate(a.shape):
+                if isinstance(size, torch.SymInt):
+                    symbols |= size.node.expr.free_symbols
+                    if size.node.expr.is_Symbol:
+                        found.append((i, d))
+    if len(symbols) != 1 or not found:
+        return None
+    return min(found, key=lambda f: f[1] is not None)  # a SymInt argument if there is one
 
 
 def _shape_guards_suppressed(example_inputs: Sequence[Any], suppress: bool) -> Any:
@@ -321,8 +386,10 @@ class _PieceCompiler(torch.fx.Interpreter):
         if out is None:  # attention ops (one op: cheap), or a piece without traced values
             out = super().call_module(target, args, kwargs)
         if item is not None:
-            fn = self.backend.compile_piece(item.graph, args, target)
-            piece = CUDAGraphPiece(fn, item.index, target)
+            key = piece_key(item.graph, args)
+            static = self.backend.static_sizes(item.graph, args, key)  # before Inductor edits the graph
+            fn = self.backend.compile_piece(item.graph, args, target, key)
+            piece = CUDAGraphPiece(fn, item.index, target, static)
             self.backend.pieces.append(piece)
             self.module.__dict__[target] = piece  # shadows the submodule in the generated code
         return out

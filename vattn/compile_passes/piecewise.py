@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 
 __all__ = [
     "CUDAGraphPiece",
+    "StaticSizes",
     "PiecewiseRun",
     "capture_graph",
     "current_piecewise_run",
@@ -123,27 +124,75 @@ class _Entry:
 
 
 @dataclass
+class StaticSizes:
+    """Code of one piece compiled for exact token counts (``CompilationConfig.compile_sizes``).
+
+    Shared by identical pieces, so each size compiles once per distinct piece. Compiles
+    happen on the first call of a size (with that call's real inputs), never while a CUDA
+    graph is being captured: a size first seen inside a capture runs the general code.
+
+    Args:
+        sizes: the token counts to specialise.
+        locate: ``(i, None)``: argument ``i`` is the token count; ``(i, d)``: it is
+            ``args[i].shape[d]``.
+        compile: ``compile(num_tokens, args) -> fn``.
+    """
+
+    sizes: frozenset[int]
+    locate: tuple[int, int | None]
+    compile: Callable[[int, tuple[Any, ...]], Callable[..., Any]]
+    fns: dict[int, Callable[..., Any] | None] = field(default_factory=dict, repr=False)  # None: failed
+
+    def pick(self, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+        """The static code for this call's token count, or None (general code)."""
+        i, d = self.locate
+        n = args[i] if d is None else args[i].shape[d]
+        if n not in self.sizes:
+            return None
+        if n in self.fns:
+            return self.fns[n]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            logger.warning("compile_sizes: %d tokens first seen inside a CUDA-graph capture; the "
+                           "capture uses the general code (run one step of that size first).", n)
+            return None
+        try:
+            fn = self.compile(int(n), args)
+        except Exception:  # the general code is always valid: keep running
+            logger.exception("compile_sizes: compiling a piece for %d tokens failed; that size runs "
+                             "the general code.", n)
+            fn = None
+        self.fns[n] = fn
+        return fn
+
+
+@dataclass
 class CUDAGraphPiece:
     """A compiled piece at one position of the split graph, with its captured graphs.
 
-    Identical pieces share ``fn`` (compiled once) but each position owns its graphs, since
-    each reads different weights and activations.
+    Identical pieces share ``fn`` (compiled once) and ``static`` (code for exact sizes), but
+    each position owns its graphs, since each reads different weights and activations.
     """
 
     fn: Callable[..., Any]
     index: int
     name: str
+    static: StaticSizes | None = None
     graphs: dict[tuple[int, int], _Entry] = field(default_factory=dict, repr=False)
+
+    def _code(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        if self.static is None:
+            return self.fn
+        return self.static.pick(args) or self.fn
 
     def __call__(self, *args: Any) -> Any:
         run = _run[0]
         if run is None:
-            return self.fn(*args)
+            return self._code(args)(*args)
         key = (run.owner, run.num_tokens)
         entry = self.graphs.get(key)
         if entry is None:
             if not run.capture:
-                return self.fn(*args)
+                return self._code(args)(*args)
             return self._capture(key, run, args)
         if run.check_addresses or not entry.checked:
             self._check(entry, args, run.num_tokens)
@@ -152,7 +201,7 @@ class CUDAGraphPiece:
         return entry.output
 
     def _capture(self, key: tuple[int, int], run: PiecewiseRun, args: tuple[Any, ...]) -> Any:
-        graph, out = capture_graph(functools.partial(self.fn, *args), run.pool)
+        graph, out = capture_graph(functools.partial(self._code(args), *args), run.pool)
         self.graphs[key] = _Entry(graph, tree_map(weak_ref_tensor, out), _addresses(args))
         logger.debug("captured %s (piece %d) for %d tokens", self.name, self.index, run.num_tokens)
         return out

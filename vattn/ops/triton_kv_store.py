@@ -12,10 +12,12 @@ import triton
 import triton.language as tl
 
 from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix, round_to_fp8_grid
+from vattn.ops.triton_launch import FastLaunch, next_power_of_2
 
 __all__ = ["triton_store_kv"]
 
 _FP8_BY_NAME = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}
 
 
 @triton.jit
@@ -57,6 +59,9 @@ def _store_kv_kernel(
           + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd)
     tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+_STORE_KV = FastLaunch(_store_kv_kernel)
 
 
 def _cache_view(cache: torch.Tensor, kv_cache_dtype: str, name: str) -> torch.Tensor:
@@ -110,18 +115,16 @@ def triton_store_kv(
     key_cache = _cache_view(key_cache, kv_cache_dtype, "key_cache")
     value_cache = _cache_view(value_cache, kv_cache_dtype, "value_cache")
     fp8 = key_cache.dtype in FP8_DTYPES
-    head_pad = triton.next_power_of_2(head_size)
-    block_h = max(1, min(triton.next_power_of_2(num_kv_heads), 2048 // head_pad))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _store_kv_kernel[grid](
+    head_pad = next_power_of_2(head_size)
+    block_h = max(1, min(next_power_of_2(num_kv_heads), 2048 // head_pad))
+    grid = (num_tokens, -(-num_kv_heads // block_h))
+    _STORE_KV[grid](
         key, value, key_cache, value_cache, slot_mapping,
         k_scale if fp8 else key, v_scale if fp8 else key,
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        *key_cache.stride(), *value_cache.stride(),
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_H=block_h, PAGE_SIZE=page_size,
-        FP8=fp8, FP8_MAX=float(torch.finfo(key_cache.dtype).max) if fp8 else 0.0,
+        FP8=fp8, FP8_MAX=_FP8_MAX[key_cache.dtype] if fp8 else 0.0,
         FP8_ROUND_FIX=fp8_round_fix(key_cache.dtype, key_cache.device),
         num_warps=4 if block_h * head_pad >= 1024 else 1,
     )

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
 from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix
+from vattn.ops.triton_launch import FastLaunch, next_power_of_2
 
 logger = logging.getLogger("vattn.ops.triton_unified_attention")
 
@@ -56,6 +57,8 @@ with one instruction (``cvt.rn.f16x2.e4m3x2``), against a detour through fp32 fo
 query is clamped to the fp16 range first, softmax weights in [0, 1] gain precision."""
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_UNIFIED_ATTENTION = FastLaunch(_unified_attention_kernel)
+_COMBINE_SPLITS = FastLaunch(_combine_splits_kernel)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class UnifiedAttentionConfig:
 
 def head_pad(head_size: int) -> int:
     """The power-of-two head dimension the kernels compute with (at least 16)."""
-    return max(16, triton.next_power_of_2(head_size))
+    return max(16, next_power_of_2(head_size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,11 +206,6 @@ def _as_scale(x: torch.Tensor | float | None, name: str, device: torch.device) -
     return torch.full((), float(x), dtype=torch.float32, device=device)
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -259,24 +257,33 @@ def unified_attention(
     scratch ``partial_out`` (>= splits*T*H*head_pad(D) elements) and ``partial_lse``
     (>= splits*T*H) are used, or allocated when not given.
     """
-    _check(q.dim() == 3 and out.shape == q.shape,
-           f"q and out must both be (T, H, D); got q {tuple(q.shape)}, out {tuple(out.shape)}.")
-    _check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-           f"k_cache and v_cache must both be (num_blocks, block_size, Hk, D); got "
-           f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}.")
+    if not (q.dim() == 3 and out.shape == q.shape):
+        raise ValueError(
+            f"q and out must both be (T, H, D); got q {tuple(q.shape)}, out {tuple(out.shape)}.")
+    if not (k_cache.dim() == 4 and v_cache.shape == k_cache.shape):
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, block_size, Hk, D); got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}.")
     num_tokens, num_q_heads, head_size = q.shape
     _, page_size, num_kv_heads, kv_head_size = k_cache.shape
-    _check(kv_head_size == head_size, f"head size mismatch: q has D={head_size}, the cache {kv_head_size}.")
-    _check(num_q_heads % num_kv_heads == 0,
-           f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+    if kv_head_size != head_size:
+        raise ValueError(
+            f"head size mismatch: q has D={head_size}, the cache {kv_head_size}.")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
     num_seqs = seqused_k.shape[0]
-    _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= num_seqs + 1,
-           f"cu_seqlens_q must have at least B + 1 = {num_seqs + 1} entries, got {tuple(cu_seqlens_q.shape)}.")
-    _check(block_table.dim() == 2 and block_table.shape[0] >= num_seqs and block_table.stride(1) == 1,
-           f"block_table must be (B >= {num_seqs}, max_blocks) with unit last stride, got "
-           f"{tuple(block_table.shape)} strides {block_table.stride()}.")
+    if not (cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= num_seqs + 1):
+        raise ValueError(
+            f"cu_seqlens_q must have at least B + 1 = {num_seqs + 1} entries, got {tuple(cu_seqlens_q.shape)}.")
+    if not (block_table.dim() == 2 and block_table.shape[0] >= num_seqs and block_table.stride(1) == 1):
+        raise ValueError(
+            f"block_table must be (B >= {num_seqs}, max_blocks) with unit last stride, got "
+            f"{tuple(block_table.shape)} strides {block_table.stride()}.")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k), ("block_table", block_table)):
-        _check(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}.")
+        if t.dtype != torch.int32:
+            raise ValueError(
+                f"{name} must be int32, got {t.dtype}.")
     if num_tokens == 0 or num_seqs == 0:
         return
     qpk = num_q_heads // num_kv_heads
@@ -291,12 +298,16 @@ def unified_attention(
         )
     if num_splits is not None and num_splits != config.num_splits:
         config = dataclasses.replace(config, num_splits=num_splits)
-    _check(config.block_m >= qpk, f"config.block_m ({config.block_m}) must be >= query heads per KV head ({qpk}).")
+    if config.block_m < qpk:
+        raise ValueError(
+            f"config.block_m ({config.block_m}) must be >= query heads per KV head ({qpk}).")
 
     q_fp8 = q.dtype in FP8_DTYPES
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     out_fp8 = out.dtype in FP8_DTYPES
-    _check(v_cache.dtype == k_cache.dtype, f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ.")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ.")
     if not q_fp8:
         compute = q.dtype
     elif not kv_fp8:
@@ -320,7 +331,9 @@ def unified_attention(
     round_fix = fp8_round_fix(out.dtype, out.device)
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None:
-            _check(t.shape == (num_q_heads,), f"{name} must have shape (H,) = ({num_q_heads},), got {tuple(t.shape)}.")
+            if t.shape != (num_q_heads,):
+                raise ValueError(
+                    f"{name} must have shape (H,) = ({num_q_heads},), got {tuple(t.shape)}.")
 
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     left = -1 if left is None or left < 0 else left
@@ -336,11 +349,12 @@ def unified_attention(
         if partial_out is None or partial_lse is None:
             partial_out = torch.empty(need_o, dtype=torch.float32, device=q.device)
             partial_lse = torch.empty(need_lse, dtype=torch.float32, device=q.device)
-        _check(partial_out.numel() >= need_o and partial_lse.numel() >= need_lse
-               and partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32,
-               f"split scratch too small for num_splits={splits}, T={num_tokens}: need fp32 "
-               f"partial_out >= {need_o}, partial_lse >= {need_lse} elements, got "
-               f"{partial_out.numel()} and {partial_lse.numel()}; size it with split_scratch_numel().")
+        if not (partial_out.numel() >= need_o and partial_lse.numel() >= need_lse
+               and partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32):
+            raise ValueError(
+                f"split scratch too small for num_splits={splits}, T={num_tokens}: need fp32 "
+                f"partial_out >= {need_o}, partial_lse >= {need_lse} elements, got "
+                f"{partial_out.numel()} and {partial_lse.numel()}; size it with split_scratch_numel().")
     else:
         partial_out = partial_lse = dummy
 
@@ -353,18 +367,15 @@ def unified_attention(
         launch["maxnreg"] = config.maxnreg
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
-    _unified_attention_kernel[grid](
+    k_strides, v_strides = k_cache.stride(), v_cache.stride()
+    _UNIFIED_ATTENTION[grid](
         q, k_cache, v_cache, out, partial_out, partial_lse,
         cu_seqlens_q, seqused_k, block_table,
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
         qs, ks, vs, os_,
         num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        block_table.stride(0),
+        *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0),
         NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SPLITS=splits,
         COMPUTE_DTYPE=_TL_DTYPES[compute],
@@ -372,13 +383,13 @@ def unified_attention(
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
-        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, KV_SAME=k_cache.stride() == v_cache.stride(),
+        FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, KV_SAME=k_strides == v_strides,
         ONE_LOOP=config.one_loop, **launch,
     )
     if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_q_heads)](
+        _COMBINE_SPLITS[(num_tokens, num_q_heads)](
             out, partial_out, partial_lse, cu_seqlens_q, os_,
-            num_seqs, num_tokens, out.stride(0), out.stride(1), out.stride(2),
+            num_seqs, num_tokens, *out.stride(),
             NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=hp, NUM_SPLITS=splits,
             OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max, FP8_ROUND_FIX=round_fix,
             num_warps=4,

@@ -1,0 +1,102 @@
+"""FastLaunch: the launch cache of vattn's Triton kernels (vattn/ops/triton_launch.py).
+
+The key must be at least as fine as Triton's own specialization, or a kernel compiled for
+aligned pointers / int32 sizes would be reused where Triton would have compiled another one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from vattn.ops.triton_launch import FastLaunch, _runtime_key, next_power_of_2  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_next_power_of_2_matches_triton() -> None:
+    for n in [0, 1, 2, 3, 4, 5, 31, 32, 33, 64, 100, 1000, 4096, 4097]:
+        assert next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
+
+
+def test_runtime_key_separates_what_triton_specializes() -> None:
+    base = torch.zeros(64, dtype=torch.float32)
+    aligned, misaligned = base[:8], base[1:9]  # 0 and 4 bytes past a 16-byte boundary
+    assert base.data_ptr() % 16 == 0
+    k = lambda *a: tuple(_runtime_key(a))  # noqa: E731
+    assert k(aligned) != k(misaligned)
+    assert k(aligned) == k(base[4:12])  # 16 bytes on: aligned again
+    assert k(aligned) != k(aligned.to(torch.float16))
+    assert k(1) != k(2) and k(0) != k(1) and k(-1) != k(0)  # 0, 1 and negatives by value
+    assert k(16) != k(17) and k(32) == k(48)  # divisibility by 16
+    assert k(16) != k(2**32) and k(2**32) != k(2**33 + 1)  # int32 vs int64 range, alignment
+    assert k(2.0) == k(3.5) and k(2.0) != k(2)  # floats by type only
+    assert k(True) != k(False) and k(True) != k(1)
+    assert k(None) != k(0)
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    if SQUARE:
+        x = x * x
+    tl.store(out_ptr + offs, alpha * x + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+
+def test_disabled_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not FastLaunch(_axpy_kernel).enabled
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine: see ../shared/device/README.md)")
+def test_fast_launch_matches_triton_and_reuses_kernels() -> None:
+    fl = FastLaunch(_axpy_kernel)
+    assert fl.enabled
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # small integers: exact in fp32 whether or not the kernel fuses alpha * x + y
+    buf = torch.randint(-8, 8, (3, 4096 + 8), device="cuda", generator=g).float()
+
+    def run(n: int, offset: int, alpha: float, square: bool) -> None:
+        x, y = buf[0, offset:offset + n], buf[1, offset:offset + n]
+        out = torch.full_like(buf[2], float("nan"))[offset:offset + n]
+        fl[(triton.cdiv(n, 256),)](x, y, out, n, alpha, BLOCK=256, SQUARE=square, num_warps=4)
+        torch.testing.assert_close(out, alpha * (x * x if square else x) + y, rtol=0, atol=0)
+
+    cases = [(4096, 0, 2.0, False), (4096, 1, 2.0, False), (4095, 0, 0.5, False), (4096, 0, 2.0, True),
+             (1, 0, 3.0, False), (17, 3, -1.0, True)]  # alignment, n % 16, n == 1, constexprs
+    for case in cases * 3:  # first round compiles; later rounds take the cached kernels
+        run(*case)
+    keys = len(fl.cache)
+    assert 4 <= keys <= len(cases)
+    for case in cases:
+        run(*case)
+    assert len(fl.cache) == keys
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine: see ../shared/device/README.md)")
+def test_fast_launch_is_captured_on_the_graph_stream() -> None:
+    fl = FastLaunch(_axpy_kernel)
+    x, y, out = (torch.randint(-8, 8, (1000,), device="cuda").float() for _ in range(3))
+
+    def launch() -> None:
+        fl[(4,)](x, y, out, 1000, 2.0, BLOCK=256, SQUARE=False)
+
+    launch()
+    launch()  # cached: the fast path
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    x.copy_(torch.randint(-8, 8, (1000,), device="cuda").float())
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)

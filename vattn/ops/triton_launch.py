@@ -1,0 +1,138 @@
+"""Low-overhead launches of vattn's Triton kernels.
+
+``kernel[grid](*args, **kwargs)`` costs tens of microseconds of host time in Triton 3.x:
+it binds every argument, computes its specialization and a cache key, then looks the
+compiled kernel up. For a decode step that runs attention eagerly between compiled pieces
+(PIECEWISE CUDA graphs, or no graphs), that is most of the step: about 50 us a launch on
+an H100 host, three launches a layer.
+
+``FastLaunch(kernel)[grid](*args, **kwargs)`` launches the same compiled kernel with the
+same arguments. The first launch of a *specialization* goes through Triton (compiling if
+needed) and keeps the ``CompiledKernel`` it returns; later launches with an equal
+specialization key call that kernel directly. The key is at least as fine as Triton's own:
+
+| argument | key part |
+| --- | --- |
+| constexpr | its value |
+| tensor | dtype, data pointer divisible by 16 |
+| int (not bool) | equal to 1, divisible by 16, fits int32, fits int64 |
+| bool, float, None | its type (bools: the value) |
+| launch options (``num_warps``, ...) | name and value |
+
+so a kernel is never reused for arguments Triton would have compiled differently. Cached
+launches go through ``CompiledKernel[grid](*args, stream=...)``, which calls Triton's launch
+hooks as ``kernel[grid]`` does; Triton's check that the kernel's global values did not
+change is skipped (vattn's kernels read none). Under ``TRITON_INTERPRET=1`` (CPU) the
+wrapper is a plain pass-through.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["FastLaunch", "next_power_of_2"]
+
+_MISSING = object()
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``triton.next_power_of_2`` without its overhead)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+_I32 = 2**31
+
+
+def _arg_key(a: Any) -> Any:
+    """The key part of one runtime (non-constexpr) argument (the general case of ``_runtime_key``)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return a if a <= 1 else ("i", a & 15 == 0, a < _I32, a < 2**63)
+    if isinstance(a, float):
+        return "f"
+    return ("v", type(a), a)  # anything else: by value (must be hashable)
+
+
+def _runtime_key(args: tuple[Any, ...]) -> list[Any]:
+    """Key parts of the runtime arguments: ints <= 1 by value, larger ints by (divisible by
+    16, fits int32), tensors by (dtype, 16-byte aligned), floats by type. The common types
+    are tested inline: this runs on every launch."""
+    key: list[Any] = []
+    append = key.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            append(a if a <= 1 else (3 if a & 15 == 0 else 2) if a < _I32 else _arg_key(a))
+        elif t is torch.Tensor:
+            append((a.dtype, a.data_ptr() & 15 == 0))
+        elif t is float:
+            append("f")
+        else:
+            append(_arg_key(a))
+    return key
+
+
+class FastLaunch:
+    """``FastLaunch(kernel)[grid](*args, **kwargs)``: ``kernel[grid](...)`` with a host-side cache.
+
+    Args:
+        kernel: a ``@triton.jit`` function whose runtime parameters all come before its
+            constexpr parameters.
+
+    Calls pass the runtime arguments positionally and the constexprs and launch options
+    (``num_warps``, ``num_stages``, ``maxnreg``, ...) by name; ``grid`` is a tuple. Other
+    call shapes go through Triton's own path, which is always correct.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.cache: dict[Any, Any] = {}
+        params = getattr(kernel, "params", None)
+        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        self.enabled = params is not None and not interpret
+        if not self.enabled:
+            return
+        constexpr = [bool(p.is_constexpr) for p in params]
+        self.num_runtime = constexpr.index(True) if True in constexpr else len(params)
+        if any(not c for c in constexpr[self.num_runtime:]):
+            self.enabled = False  # runtime parameters after constexprs: not this fast path's shape
+            return
+        self.constexpr_names = tuple(p.name for p in params[self.num_runtime:])
+        from triton.runtime import driver
+
+        self._driver = driver
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        if not self.enabled:
+            return self.kernel[grid]
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if len(args) != self.num_runtime:
+            return self.kernel[grid](*args, **kwargs)
+        drv = self._driver.active
+        device = drv.get_current_device()
+        try:
+            key = (device, *_runtime_key(args), *kwargs.items())
+            compiled = self.cache.get(key)
+        except TypeError:  # an unhashable constexpr: no caching
+            return self.kernel[grid](*args, **kwargs)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if compiled is not None:
+                self.cache[key] = compiled
+            return compiled
+        try:
+            full = (*args, *(kwargs[n] for n in self.constexpr_names))
+        except KeyError:  # a constexpr left to its default: Triton binds it
+            return self.kernel[grid](*args, **kwargs)
+        if len(grid) < 3:
+            grid = (*grid, *(1,) * (3 - len(grid)))
+        compiled[grid](*full, stream=drv.get_current_stream(device))
+        return compiled
