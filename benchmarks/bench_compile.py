@@ -10,6 +10,7 @@ and 64, for:
 | eager | the model in eager mode (metadata built each step) |
 | compiled | ``vattn.compile``d model, no graphs |
 | piecewise | ``CUDAGraphRunner(compiled, mode=PIECEWISE)``: pieces replayed, attention eager |
+| piecewise-triton-launch | the same, with vattn's Triton kernels launched through Triton's own path (``set_fast_launch(False)``) |
 | full | ``CUDAGraphRunner(compiled, mode=FULL)`` (downgraded, with the reason, where the backend forbids) |
 | full-direct | eager model whose layers call the backend directly (no opaque op), ``FULL`` graphs |
 
@@ -133,7 +134,7 @@ def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
     batches = (1, 8) if args.quick else (1, 8, 64)
     per = -(-(args.context + 1) // BLOCK)
     model, cfg, kv = build(args.decode_layers, args.backend, num_blocks=max(batches) * per + 8,
-                           max_pos=max(8192, args.context + 16))
+                           max_pos=max(8192, args.context + 16), compile_sizes=common.token_counts(args.compile_sizes))
     wbytes = weight_bytes(model)
     floor_ms = wbytes / (roof.read_tbps * 1e12) * 1e3
     compiled = vattn.compile(model, cfg)
@@ -151,24 +152,27 @@ def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
             return model.compute_logits(runner(ids, pos, cm))
 
     rows = payload.setdefault("decode_rows", [])
-    impls = ["eager", "compiled", "piecewise", "full", "full-direct"]
+    impls = ["eager", "compiled", "piecewise", "piecewise-triton-launch", "full", "full-direct"]
+    from vattn.ops.triton_launch import set_fast_launch
     for b in common.progress(batches, desc="decode batch"):
         ids, pos, cm = decode_batch(kv, b, args.context, seed=b)
         for impl in impls:
             layers = cfg.compilation.static_forward_context.values()
             for layer in layers:  # full-direct: attention called directly, inside the same graph
                 layer.use_direct_call = impl == "full-direct"
+            set_fast_launch(impl != "piecewise-triton-launch")  # Triton's own launch path, for comparison
             if impl == "full-direct" and not direct.captured:
                 direct.capture()
             fn = {
                 "eager": lambda: eager_step(model, ids, pos, cm),
                 "compiled": lambda: eager_step(compiled, ids, pos, cm),
                 "piecewise": lambda: graph_step(pw, ids, pos, cm),
+                "piecewise-triton-launch": lambda: graph_step(pw, ids, pos, cm),
                 "full": lambda: graph_step(full, ids, pos, cm),
                 "full-direct": lambda: graph_step(direct, ids, pos, cm),
             }[impl]
             res = common.bench(fn, warmup=50, rep=200 if not args.quick else 60)
-            runner = {"piecewise": pw, "full": full, "full-direct": direct}.get(impl)
+            runner = {"piecewise": pw, "piecewise-triton-launch": pw, "full": full, "full-direct": direct}.get(impl)
             row: dict[str, Any] = {"impl": impl, "batch": b, "context": args.context, "step_ms": res["median_ms"],
                                    "p20_ms": res["p20"], "p80_ms": res["p80"], "floor_ms": floor_ms,
                                    "x_floor": res["median_ms"] / floor_ms}
@@ -229,6 +233,7 @@ def coldstart_child(args: argparse.Namespace) -> None:
     c = compiled.backend.counter
     print(json.dumps({
         "layers": args.child_layers, "import_s": t_import, "build_s": t_build, "compile_s": t_compile,
+        "backend_s": c.compile_seconds,  # of compile_s: the backend's piece compiles (the rest: Dynamo, first run)
         "capture_total_s": t_capture, "capture_s": runner.stats.get("capture_seconds"),
         "capture_warmup_s": runner.stats.get("warmup_seconds"),
         "graph_mib": (runner.stats.get("graph_memory_bytes") or 0) / 2**20,
@@ -238,23 +243,45 @@ def coldstart_child(args: argparse.Namespace) -> None:
     }))
 
 
+def _child(layers: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """One cold-start child process: its JSON line, or ``{"error": ...}``."""
+    cmd = [sys.executable, __file__, "--child-layers", str(layers), "--device", DEV["device"], "--preset", DEV["preset"]]
+    if args.backend:
+        cmd += ["--backend", args.backend]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"error": res.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
 def run_coldstart(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    """Cold then warm children per layer count, after one priming child.
+
+    Python bytecode: a pip install compiles every module to ``.pyc``, so a user's first run
+    never compiles torch's Python sources. Machines that forbid writing bytecode
+    (``PYTHONDONTWRITEBYTECODE``, seen on the GPU machine, where it added about 11 s to
+    every process) would count that compile in every start. The children therefore write
+    bytecode under one ``PYTHONPYCACHEPREFIX``, filled by a priming child whose Inductor and
+    Triton caches are thrown away: the cold runs still compile every kernel.
+    """
     rows = payload.setdefault("coldstart_rows", [])
-    for layers in common.progress(args.layers, desc="cold start"):
-        with tempfile.TemporaryDirectory(prefix="vattn-coldstart-") as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
-            for phase in ("cold", "warm"):
-                cmd = [sys.executable, __file__, "--child-layers", str(layers), "--device", DEV["device"],
-                       "--preset", DEV["preset"]]
-                if args.backend:
-                    cmd += ["--backend", args.backend]
-                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
-                lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-                if res.returncode != 0 or not lines:
-                    rows.append({"layers": layers, "phase": phase, "error": res.stderr[-2000:]})
-                    continue
-                rows.append({"phase": phase, **json.loads(lines[-1])})
-        common.write_results(payload["name"], _payload_for_write(payload))
+    with tempfile.TemporaryDirectory(prefix="vattn-pyc-") as pyc:
+        base = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        base["PYTHONPYCACHEPREFIX"] = pyc
+        with tempfile.TemporaryDirectory(prefix="vattn-prime-") as cache:
+            t = time.perf_counter()
+            primed = _child(min(args.layers), args, dict(base, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
+                                                         TRITON_CACHE_DIR=f"{cache}/triton"))
+            payload["summary"]["bytecode_priming"] = {"seconds": round(time.perf_counter() - t, 1),
+                                                      "ok": "error" not in primed}
+        for layers in common.progress(args.layers, desc="cold start"):
+            with tempfile.TemporaryDirectory(prefix="vattn-coldstart-") as cache:
+                env = dict(base, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
+                for phase in ("cold", "warm"):
+                    r = _child(layers, args, env)
+                    rows.append({"layers": layers, "phase": phase, **r} if "error" in r else {"phase": phase, **r})
+            common.write_results(payload["name"], _payload_for_write(payload))
     by = {(r.get("layers"), r.get("phase")): r for r in rows if "error" not in r}
     lo, hi = min(args.layers), max(args.layers)
     if (lo, "cold") in by and (hi, "cold") in by:
@@ -272,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("decode", "coldstart"), default=None)
     p.add_argument("--backend", default=None, help="force an attention backend (e.g. FLASH_ATTN, TRITON_ATTN)")
     p.add_argument("--context", type=int, default=512, help="cached tokens per request in the decode part")
+    p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1); "
+                   "the decode part only, the cold start uses the default config")
     p.add_argument("--decode-layers", type=int, default=16, help="layers of the decode-part model (1B: 16)")
     p.add_argument("--layers", type=int, nargs="+", default=[4, 32], help="layer counts for the cold start")
     p.add_argument("--child-timeout", type=float, default=280.0, help="seconds per cold-start process")
@@ -288,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         coldstart_child(args)
         return 0
     # One file per part when run apart (a later part must not overwrite an earlier one in $OUT).
-    payload: dict[str, Any] = {"summary": {"context": args.context},
+    payload: dict[str, Any] = {"summary": {"context": args.context, "compile_sizes": args.compile_sizes},
                                "name": "compile" if args.only is None else f"compile-{args.only}"}
     if args.only in (None, "decode"):
         run_decode(args, payload)

@@ -423,6 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", default=None, help="prompt lengths (default 512,4096; --quick 512)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--backend", default=None, help="force a vattn backend by name")
+    p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
     p.add_argument("--impls", default=",".join((*VATTN_IMPLS, *HF_IMPLS)),
                    help=f"comma-separated, of {', '.join(ALL_IMPLS)}")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -584,7 +585,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = common.env_info(device)
     path = common.result_path("e2e", env)
     mcfg = get_preset(args.preset, max_position_embeddings=max(args.contexts) + 4 * args.new_tokens + 1024)
-    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK))
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
+                            compilation=vattn.CompilationConfig(compile_sizes=common.token_counts(args.compile_sizes)))
     model, hf = build_models(args, mcfg, device, dtype, cfg)
 
     budget = args.max_num_batched_tokens
@@ -603,6 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     plots: list[str] = []
     report: dict[str, Any] = {
+        "compile_sizes": list(cfg.compilation.compile_sizes),
         "preset": args.preset, "model": {**mcfg.__dict__, "rope_scaling": mcfg.rope_scaling},
         "dtype": str(dtype), "vattn_backend": model.model.layers[0].self_attn.attn.attn_backend.get_name(),
         "block_size": BLOCK, "max_num_batched_tokens": budget, "new_tokens": args.new_tokens, "quick": args.quick,

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import vattn  # noqa: E402
-from benchmarks.common import (Table, env_info, fill_random_kv_, free_memory, progress,  # noqa: E402
+from benchmarks.common import (Table, env_info, fill_random_kv_, free_memory, progress, token_counts,  # noqa: E402
                                split_kv_cache, write_results)
 from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
 from examples.tp import TensorParallel, init_tensor_parallel  # noqa: E402
@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allreduce", default="functional,symm_mem,none")
     p.add_argument("--compile", action="store_true", help="vattn.compile the model (FULL_AND_PIECEWISE graphs)")
     p.add_argument("--backend", default=None, help="force a vattn attention backend")
+    p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
     p.add_argument("--reps", type=int, default=100, help="timed iterations per figure (after reps // 5 warm-up)")
     p.add_argument("--quick", action="store_true", help="30 timed iterations")
     args = p.parse_args(argv)
@@ -161,7 +162,8 @@ def capture(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
 def build(args: argparse.Namespace, tp: TensorParallel, device: torch.device, num_blocks: int
           ) -> tuple[DecoderForCausalLM, vattn.VattnConfig, Any]:
     mcfg = get_preset(args.preset, max_position_embeddings=args.context + 64)
-    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK))
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
+                            compilation=vattn.CompilationConfig(compile_sizes=token_counts(args.compile_sizes)))
     old = torch.get_default_dtype()
     torch.set_default_dtype(args.dtype)
     try:
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
         rows += measure(model, cfg, kv, tp, job, args, device, group)
     summary = {"preset": args.preset, "dtype": str(args.dtype), "context": args.context, "compile": args.compile,
+               "compile_sizes": args.compile_sizes,
                "attention_backend": backend, "world": world, "skipped": skipped,
                "seconds": time.perf_counter() - t0, "topology": topology(device, world), **summarize(rows, world),
                "notes": ["TP=1 rows: every rank measured alone on its own GPU at the same time; rank 0's kept",

@@ -124,6 +124,11 @@ def _git() -> tuple[str | None, bool | None]:
     return commit, (bool(status) if status is not None else None)
 
 
+def token_counts(text: str) -> tuple[int, ...]:
+    """``"1,8"`` -> ``(1, 8)``; ``""`` -> ``()`` (a ``--compile-sizes`` value)."""
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
 def device_slug(name: str) -> str:
     """A file-name-safe slug of a device name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from vattn.ops.triton_launch import FastLaunch, _runtime_key, next_power_of_2  # noqa: E402
+from vattn.ops.triton_launch import FastLaunch, _runtime_key, next_power_of_2, set_fast_launch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -51,7 +51,24 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr, SQUARE: t
 
 def test_disabled_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not FastLaunch(_axpy_kernel).enabled
+    fl = FastLaunch(_axpy_kernel)
+    assert not fl.enabled and not fl.supported
+    set_fast_launch(True)  # cannot switch on what the interpreter cannot use
+    assert not fl.enabled
+
+
+def test_switch_and_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fl = FastLaunch(_axpy_kernel)
+    assert fl.supported and fl.enabled
+    try:
+        set_fast_launch(False)
+        assert not fl.enabled
+    finally:
+        set_fast_launch(True)
+    assert fl.enabled
+    monkeypatch.setenv("VATTN_TRITON_FAST_LAUNCH", "0")
+    assert FastLaunch(_axpy_kernel).supported and not FastLaunch(_axpy_kernel).enabled
 
 
 @pytest.mark.cuda

@@ -29,11 +29,23 @@ wrapper is a plain pass-through.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["FastLaunch", "next_power_of_2"]
+__all__ = ["FastLaunch", "next_power_of_2", "set_fast_launch"]
+
+#: Every FastLaunch made, so ``set_fast_launch`` can switch them all.
+_LAUNCHERS: "weakref.WeakSet[FastLaunch]" = weakref.WeakSet()
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Switch every ``FastLaunch`` between its cache (True) and Triton's own launch path
+    (False); ``VATTN_TRITON_FAST_LAUNCH=0`` starts them switched off. Launchers that cannot
+    use the cache (the interpreter) stay off."""
+    for launcher in _LAUNCHERS:
+        launcher.enabled = enabled and launcher.supported
 
 _MISSING = object()
 
@@ -95,18 +107,22 @@ class FastLaunch:
         self.cache: dict[Any, Any] = {}
         params = getattr(kernel, "params", None)
         interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        self.enabled = params is not None and not interpret
-        if not self.enabled:
+        self.supported = self.enabled = False
+        _LAUNCHERS.add(self)
+        if params is None or interpret:
             return
         constexpr = [bool(p.is_constexpr) for p in params]
         self.num_runtime = constexpr.index(True) if True in constexpr else len(params)
         if any(not c for c in constexpr[self.num_runtime:]):
-            self.enabled = False  # runtime parameters after constexprs: not this fast path's shape
-            return
+            return  # runtime parameters after constexprs: not this fast path's shape
         self.constexpr_names = tuple(p.name for p in params[self.num_runtime:])
         from triton.runtime import driver
 
+        from vattn import envs
+
         self._driver = driver
+        self.supported = True
+        self.enabled = envs.VATTN_TRITON_FAST_LAUNCH
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
         if not self.enabled:
