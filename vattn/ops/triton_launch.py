@@ -15,14 +15,14 @@ specialization key call that kernel directly. The key is at least as fine as Tri
 | --- | --- |
 | constexpr | its value |
 | tensor | dtype, data pointer divisible by 16 |
-| int (not bool) | equal to 1, divisible by 16, fits int32, fits int64 |
+| int (not bool) | <= 1: its value; else divisible by 16, fits int32, fits int64 |
 | bool, float, None | its type (bools: the value) |
 | launch options (``num_warps``, ...) | name and value |
 
 so a kernel is never reused for arguments Triton would have compiled differently. Cached
 launches go through ``CompiledKernel[grid](*args, stream=...)``, which calls Triton's launch
 hooks as ``kernel[grid]`` does; Triton's check that the kernel's global values did not
-change is skipped (vattn's kernels read none). Under ``TRITON_INTERPRET=1`` (CPU) the
+change is skipped (vattn never rebinds the globals its kernels read). Under ``TRITON_INTERPRET=1`` (CPU) the
 wrapper is a plain pass-through.
 """
 
@@ -46,8 +46,6 @@ def set_fast_launch(enabled: bool) -> None:
     use the cache (the interpreter) stay off."""
     for launcher in _LAUNCHERS:
         launcher.enabled = enabled and launcher.supported
-
-_MISSING = object()
 
 
 def next_power_of_2(n: int) -> int:
