@@ -128,6 +128,7 @@ class CompilationConfig:
                 f"CompilationConfig.compile_sizes must be a tuple of positive token counts, got {sizes!r}; "
                 "e.g. (1,) to compile batch-1 decode steps for their exact size."
             )
+        object.__setattr__(self, "compile_sizes", tuple(sorted(set(sizes))))  # frozen: hashable, canonical
         if not isinstance(self.inductor_compile_config, dict):
             raise TypeError(
                 f"CompilationConfig.inductor_compile_config must be a dict of torch._inductor.config "
