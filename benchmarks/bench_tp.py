@@ -319,7 +319,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if not tp.enable_symm_mem(max(args.batches), hidden, args.dtype, device):
                 skipped["symm_mem"] = "symmetric memory unavailable here (see the log)"
                 continue
-        rows += measure(model, cfg, kv, tp, job, args, device, group)
+        try:
+            new = measure(model, cfg, kv, tp, job, args, device, group)
+        except Exception as e:  # keep the other all-reduces' figures (every rank fails alike)
+            skipped[job] = f"{type(e).__name__}: {e}"[:800]
+            if lead:
+                print(f"{job}: failed: {skipped[job]}", flush=True)
+            continue
+        rows += new
+        if lead:
+            for r in new:
+                print(f"{job} b{r['batch']}: graph {r['graph_ms']:.3f} ms, step {r['step_ms']:.3f} ms", flush=True)
     summary = {"preset": args.preset, "dtype": str(args.dtype), "context": args.context, "compile": args.compile,
                "compile_sizes": args.compile_sizes,
                "attention_backend": backend, "world": world, "skipped": skipped,
