@@ -28,6 +28,11 @@ on the contiguous projection output instead, as ``examples/model.py`` does).
 never recompiles, whatever the model does, at the price of those copies and split kernels;
 Python branching on the token count then fails at trace time with a data-dependent-guard
 error naming the line.
+``CompilationConfig.compile_sizes`` (vLLM's name) adds code for exact token counts: the first
+step of such a size compiles each distinct piece once more from that step's real inputs
+(``StaticSizes`` in ``piecewise.py``; coordinate-descent tuning on, so Inductor turns 1-token
+matrix multiplies into fused matrix-vector reductions), and later steps of that size run it.
+Dynamo still traces once; the general code serves every other size.
 Metadata reaches the attention ops through the forward context, not as graph inputs, so
 changing batch composition never recompiles. Counters: ``VattnBackend.counter`` (per
 backend) and ``compilation_counter`` (process-wide).
