@@ -194,7 +194,7 @@ def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
         for layer in cfg.compilation.static_forward_context.values():
             layer.use_direct_call = False
     payload["summary"].update(
-        decode_layers=args.decode_layers, weight_bytes=wbytes, read_tbps=roof.read_tbps, floor_ms=floor_ms,
+        decode_layers=args.decode_layers, compile_sizes=list(cfg.compilation.compile_sizes), weight_bytes=wbytes, read_tbps=roof.read_tbps, floor_ms=floor_ms,
         backend=type(kv.groups[0].builder).__name__, downgrades={"full": full.downgrade_reasons, "piecewise": pw.downgrade_reasons},
         inductor_compiles=compiled.backend.counter.num_inductor_compiles,
     )
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         coldstart_child(args)
         return 0
     # One file per part when run apart (a later part must not overwrite an earlier one in $OUT).
-    payload: dict[str, Any] = {"summary": {"context": args.context, "compile_sizes": args.compile_sizes},
+    payload: dict[str, Any] = {"summary": {"context": args.context},
                                "name": "compile" if args.only is None else f"compile-{args.only}"}
     if args.only in (None, "decode"):
         run_decode(args, payload)
