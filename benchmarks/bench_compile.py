@@ -194,7 +194,8 @@ def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
         for layer in cfg.compilation.static_forward_context.values():
             layer.use_direct_call = False
     payload["summary"].update(
-        decode_layers=args.decode_layers, compile_sizes=list(cfg.compilation.compile_sizes), weight_bytes=wbytes, read_tbps=roof.read_tbps, floor_ms=floor_ms,
+        decode_layers=args.decode_layers, compile_sizes=list(cfg.compilation.compile_sizes),
+        weight_bytes=wbytes, read_tbps=roof.read_tbps, floor_ms=floor_ms,
         backend=type(kv.groups[0].builder).__name__, downgrades={"full": full.downgrade_reasons, "piecewise": pw.downgrade_reasons},
         inductor_compiles=compiled.backend.counter.num_inductor_compiles,
     )
