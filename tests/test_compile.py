@@ -426,13 +426,13 @@ def test_traced_outputs_need_every_value() -> None:
 
 
 def test_compile_sizes_specialise_exact_token_counts() -> None:
-    """compile_sizes=(1,): a 1-token step compiles each distinct piece once more for exactly 1
-    token (lazily, with the step's inputs) and matches eager; other sizes keep the general
-    code; no Dynamo recompile either way."""
-    model, cfg, kv = build(3, compile_sizes=(1,))
+    """compile_sizes=(1, 5): the first step of each size compiles every distinct piece once
+    more for exactly that many tokens (lazily, with the step's inputs) and matches eager; other
+    sizes keep the general code; no Dynamo recompile either way."""
+    model, cfg, kv = build(3, compile_sizes=(1, 5))
     compiled = vattn.compile(model, cfg)
     counter = compiled.backend.counter
-    steps = [(3, [4]), (1, [6]), (1, [7]), (5, [2])]
+    steps = [(3, [4]), (1, [6]), (1, [7]), (5, [2]), (5, [9]), (4, [3])]
     # Other tests' TinyModels share this forward's code object: allow their compiles too.
     with torch._dynamo.config.patch(recompile_limit=64):
         for i, (n, ctx) in enumerate(steps):
@@ -445,13 +445,12 @@ def test_compile_sizes_specialise_exact_token_counts() -> None:
             torch.testing.assert_close(got, run(model, cfg, kv, ids, pos, common), atol=2e-5, rtol=2e-5)
             if i == 0:
                 assert counter.num_static_compiles == 0
-            if i == 1:
-                static = counter.num_static_compiles
-                assert static == counter.num_inductor_compiles  # every distinct piece, once
-    assert counter.num_static_compiles == static  # the second 1-token step and the 5-token one: no compile
+            if i in (1, 3):  # the first 1-token and 5-token steps: every distinct piece, once
+                assert counter.num_static_compiles == counter.num_inductor_compiles * (1 + (i == 3))
+    assert counter.num_static_compiles == 2 * counter.num_inductor_compiles  # repeats and 3, 4 tokens: none
     assert counter.num_graphs_seen == 1
     pieces = compiled.backend.pieces
-    assert all(p.static is not None and set(p.static.fns) == {1} for p in pieces)
+    assert all(p.static is not None and set(p.static.fns) == {1, 5} for p in pieces)
     assert len({id(p.static) for p in pieces}) == counter.num_inductor_compiles  # shared by identical pieces
 
 

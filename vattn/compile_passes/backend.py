@@ -317,8 +317,9 @@ class VattnBackend:
         patches = {"coordinate_descent_tuning": True, **self.config.compilation.inductor_compile_config,
                    "post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
         start = time.perf_counter()
+        graph = fx.GraphModule(piece, copy.deepcopy(piece.graph))  # Inductor edits what it compiles
         with torch.no_grad():
-            fn = compile_fx(piece, list(args), config_patches=patches)
+            fn = compile_fx(graph, list(args), config_patches=patches)
         elapsed = time.perf_counter() - start
         _bump(self.counter, num_static_compiles=1, compile_seconds=elapsed)
         logger.info("vattn.compile: piece compiled for %d tokens (%.1fs)", num_tokens, elapsed)
