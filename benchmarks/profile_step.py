@@ -25,6 +25,7 @@ Writes ``profile-<device>-<date>.json`` to $OUT (if set) or benchmarks/results/ 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -52,7 +53,8 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
     per = -(-(args.context + 8) // bench_compile.BLOCK)
     model, cfg, kv = bench_compile.build(args.layers, backend, num_blocks=max(args.batches) * per + 8,
                                          max_pos=max(8192, args.context + 16),
-                                         compile_sizes=common.token_counts(args.compile_sizes))
+                                         compile_sizes=common.token_counts(args.compile_sizes),
+                                         inductor_config=json.loads(args.inductor_config))
     compiled = vattn.compile(model, cfg, dynamic=args.dynamic)
     runner = vattn.CUDAGraphRunner(compiled, cfg, kv, capture_sizes=tuple(args.batches),
                                    mode=vattn.CUDAGraphMode.FULL_DECODE_ONLY, show_progress=False)
@@ -68,7 +70,8 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
         step()
         mode = runner.last_batch_descriptor.mode.name
         row: dict[str, Any] = {"backend": name, "builder": chosen, "batch": b, "context": args.context,
-                               "layers": args.layers, "dynamic": args.dynamic, "compile_sizes": args.compile_sizes, "mode": mode,
+                               "layers": args.layers, "dynamic": args.dynamic, "compile_sizes": args.compile_sizes,
+                               "inductor_config": args.inductor_config, "mode": mode,
                                "step_ms": common.bench(step, warmup=25, rep=100)["median_ms"],
                                "host_ms": bench_compile.host_ms(step)}
         entry = runner.full_graphs.get(b)
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dynamic", choices=("unbacked", "backed"), default="backed")
     p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
+    p.add_argument("--inductor-config", default="{}",
+                   help='CompilationConfig.inductor_compile_config as JSON, e.g. \'{"coordinate_descent_tuning": false}\'')
     p.add_argument("--top", type=int, default=30, help="kernels kept per table")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -142,7 +142,34 @@ def _plan_r4() -> list[Variant]:
     return v
 
 
-PLANS = {"full": _plan_full, "smoke": _plan_smoke, "fp8": _plan_fp8, "r3": _plan_r3, "r4": _plan_r4}
+def _plan_e2e() -> list[Variant]:
+    """The example model's decode shapes (Llama-3.2-1B: 32 q / 8 KV heads, head dim 64; issue 4)."""
+    v: list[Variant] = []
+    tail = ("fp16", None, True, True)
+    for n, st in [(16, 3), (32, 2), (32, 3), (32, 4), (64, 2), (64, 3), (64, 4), (128, 2), (128, 3)]:
+        for s in (1, 2):
+            v.append(Variant("d64_decode_64x512", 16, n, 4, st, s, *tail))
+    for n, st in [(32, 3), (64, 3), (64, 4), (128, 3)]:
+        v.append(Variant("d64_decode_64x4096", 16, n, 4, st, 1, *tail))
+    for s in (8, 16, 32, 64):
+        for n in (16, 32, 64):
+            v.append(Variant("d64_decode_1x512", 16, n, 4, 3, s, *tail))
+    for s in (2, 4, 8, 16):
+        for n in (32, 64):
+            v.append(Variant("d64_decode_8x512", 16, n, 4, 3, s, *tail))
+    return v
+
+
+def _e2e_setup() -> None:
+    """Adds the head-dim-64 decode cases (``_batch`` sets the head dim of each case)."""
+    bta.CASES = [c for c in bta.CASES if not c.name.startswith("d64_")] + [
+        bta.Case("d64_decode_64x512", 64, 512, 1), bta.Case("d64_decode_64x4096", 64, 4096, 1),
+        bta.Case("d64_decode_1x512", 1, 512, 1), bta.Case("d64_decode_8x512", 8, 512, 1)]
+
+
+PLANS = {"full": _plan_full, "smoke": _plan_smoke, "fp8": _plan_fp8, "r3": _plan_r3, "r4": _plan_r4,
+         "e2e": _plan_e2e}
+SETUPS = {"e2e": _e2e_setup}
 
 
 def _smoke_setup() -> None:
@@ -160,6 +187,8 @@ def _batch(case_name: str) -> bta.Batch:
         _BATCHES.clear()
         common.free_memory()
         case = next(c for c in bta.CASES if c.name == case_name)
+        if bta.DEVICE != "cpu":  # head dim of the case (the smoke run keeps its tiny one)
+            bta.D = 64 if case_name.startswith("d64_") else 128
         _BATCHES[case_name] = bta.Batch(case)
     return _BATCHES[case_name]
 
@@ -174,10 +203,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _compile(variants: list[Variant], smoke: bool = False) -> list[tuple[Variant, float, str | None]]:
+def _compile(variants: list[Variant], smoke: bool = False, plan: str = "") -> list[tuple[Variant, float, str | None]]:
     """Worker: build (and run once) each variant, filling Triton's cache."""
     if smoke:
         _smoke_setup()
+    elif plan in SETUPS:
+        SETUPS[plan]()
     out = []
     for v in variants:
         t0 = time.perf_counter()
@@ -228,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.smoke:
         _smoke_setup()
-    elif not torch.cuda.is_available():
+    elif args.plan in SETUPS:
+        SETUPS[args.plan]()
+    if not args.smoke and not torch.cuda.is_available():
         print("sweep_triton_attn needs a CUDA GPU.", file=sys.stderr)
         return 2
     variants = PLANS[args.plan]()
@@ -244,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[Variant, str] = {}
     with cf.ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as pool:
         work = [c for c in chunks if c]
-        for res in common.progress(pool.map(_compile, work, [args.smoke] * len(work)), desc="compile",
+        for res in common.progress(pool.map(_compile, work, [args.smoke] * len(work), [args.plan] * len(work)), desc="compile",
                                    total=sum(1 for c in chunks if c)):
             for v, _, err in res:
                 if err:
