@@ -491,3 +491,15 @@ def test_compile_sizes_validation() -> None:
         vattn.CompilationConfig(compile_sizes=(0,))
     with pytest.raises(TypeError, match="inductor_compile_config must be a dict"):
         vattn.CompilationConfig(inductor_compile_config=[("max_autotune", True)])  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_graph_time_ms_orders_work() -> None:
+    """The cold-L2 graph timer that decides between a size's static code and the general code:
+    positive, and 16x the work takes longer."""
+    from vattn.compile_passes.backend import graph_time_ms
+
+    small, big = torch.randn(1 << 20, device="cuda"), torch.randn(16 << 20, device="cuda")
+    t_small = graph_time_ms(torch.mul, [small, 2.0])
+    t_big = graph_time_ms(torch.mul, [big, 2.0])
+    assert 0 < t_small < t_big, (t_small, t_big)
