@@ -322,17 +322,14 @@ def test_shard_without_group_cannot_run() -> None:
 def test_generate_cli_under_torchrun(tmp_path: Path) -> None:
     """`torchrun --nproc-per-node 2 examples/generate.py --tp 2` on gloo: rank 0 prints the
     same request-0 tokens as `--tp 1` (same seeded weights, sliced)."""
-    import socket
-
     from examples import generate
 
     args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "2", "--prompt-len", "12", "--output-len", "8",
             "--max-num-batched-tokens", "16", "--no-progress", "--fixed-lengths", "--seed", "3"]
-    with socket.socket() as s:  # torchrun's static rendezvous needs a port number up front
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "examples/generate.py", "--tp", "2", *args]
+    # --standalone: torchrun binds a free port itself (a port picked here first could be taken
+    # by a parallel test before torchrun binds it).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "examples/generate.py", "--tp", "2", *args]
     r = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("decode:") == 1 and "tp=2" in r.stdout  # rank 0 alone prints
@@ -351,13 +348,9 @@ def test_bench_tp_cpu_smoke(tmp_path: Path) -> None:
     """benchmarks/bench_tp.py runs end to end under torchrun on gloo (no CUDA graphs) and writes its
     JSON, so the GPU run is not the first time its code executes."""
     import json
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "benchmarks/bench_tp.py", "--device", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "benchmarks/bench_tp.py", "--device", "cpu", "--preset", "tiny",
            "--batches", "1,2", "--context", "16", "--reps", "3", "--allreduce", "functional,symm_mem,none"]
     r = subprocess.run(cmd, cwd=ROOT, env=dict(worker_env(), OUT=str(tmp_path)), capture_output=True, text=True,
                        timeout=180)
