@@ -454,52 +454,8 @@ def test_compile_sizes_specialise_exact_token_counts() -> None:
     assert len({id(p.static) for p in pieces}) == counter.num_inductor_compiles  # shared by identical pieces
 
 
-def test_compile_sizes_keep_the_faster_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA the static code of a size is timed against the general code; when it is not
-    faster it is dropped (counted in num_static_rejected) and that size runs the general
-    code. Here the timing is stubbed: static code 'slower' for every piece."""
-    from vattn.compile_passes import backend as be
-
-    timed: list[str] = []
-
-    def fake_time(fn, args, **kwargs):  # the general code comes second in each pair
-        timed.append("static" if len(timed) % 2 == 0 else "general")
-        return 2.0 if timed[-1] == "static" else 1.0
-
-    monkeypatch.setattr(be, "_on_cuda", lambda args: True)
-    monkeypatch.setattr(be, "graph_time_ms", fake_time)
-    model, cfg, kv = build(2, compile_sizes=(1,))
-    compiled = vattn.compile(model, cfg)
-    counter = compiled.backend.counter
-    with torch._dynamo.config.patch(recompile_limit=64):
-        for i in range(2):
-            common = kv.common_metadata([1], [3 + i], [[1, 2]])
-            ids, pos = torch.tensor([5 + i]), torch.tensor([3 + i])
-            saved = {k: t.clone() for k, t in kv.tensors.items()}
-            got = run(compiled, cfg, kv, ids, pos, common)
-            for k, t in kv.tensors.items():
-                t.copy_(saved[k])
-            torch.testing.assert_close(got, run(model, cfg, kv, ids, pos, common), atol=2e-5, rtol=2e-5)
-    assert counter.num_static_compiles == counter.num_inductor_compiles > 0
-    assert counter.num_static_rejected == counter.num_static_compiles
-    assert len(timed) == 2 * counter.num_static_compiles
-    assert all(p.static is not None and p.static.fns == {1: None} for p in compiled.backend.pieces)
-
-
 def test_compile_sizes_validation() -> None:
     with pytest.raises(ValueError, match="compile_sizes must be a tuple of positive token counts"):
         vattn.CompilationConfig(compile_sizes=(0,))
     with pytest.raises(TypeError, match="inductor_compile_config must be a dict"):
         vattn.CompilationConfig(inductor_compile_config=[("max_autotune", True)])  # type: ignore[arg-type]
-
-
-@pytest.mark.cuda
-def test_graph_time_ms_orders_work() -> None:
-    """The cold-L2 graph timer that decides between a size's static code and the general code:
-    positive, and 16x the work takes longer."""
-    from vattn.compile_passes.backend import graph_time_ms
-
-    small, big = torch.randn(1 << 20, device="cuda"), torch.randn(16 << 20, device="cuda")
-    t_small = graph_time_ms(torch.mul, [small, 2.0])
-    t_big = graph_time_ms(torch.mul, [big, 2.0])
-    assert 0 < t_small < t_big, (t_small, t_big)

@@ -45,7 +45,6 @@ backend) and ``compilation_counter`` (process-wide).
 | num_inductor_compiles | pieces actually compiled (distinct graphs) |
 | num_piece_reuses | pieces that reused an identical piece's compiled code |
 | num_static_compiles | compiles for one exact token count (``compile_sizes``; lazily, per distinct piece) |
-| num_static_rejected | of those, code that timed slower than the piece's general code (CUDA), so not used |
 | compile_seconds | wall time spent compiling pieces |
 """
 
@@ -92,7 +91,6 @@ class CompilationCounter:
     num_inductor_compiles: int = 0
     num_piece_reuses: int = 0
     num_static_compiles: int = 0
-    num_static_rejected: int = 0
     compile_seconds: float = 0.0
 
     def snapshot(self) -> "CompilationCounter":
@@ -305,23 +303,15 @@ class VattnBackend:
             # Inductor rewrites a graph it compiles (e.g. its output into a tuple): keep a copy.
             pristine = fx.GraphModule(piece, copy.deepcopy(piece.graph))
             static = StaticSizes(frozenset(cc.compile_sizes), locate,
-                                 functools.partial(self._compile_static, pristine, key))
+                                 functools.partial(self._compile_static, pristine))
         else:
             logger.info("compile_sizes: piece has no single token-count symbol among its inputs; "
                         "it runs its general code at every size.")
         self._static[key] = static
         return static
 
-    def _compile_static(self, piece: fx.GraphModule, key: str, num_tokens: int,
-                        args: tuple[Any, ...]) -> Callable[..., Any] | None:
-        """Inductor code of ``piece`` for exactly ``num_tokens`` tokens, traced from the real
-        ``args``; None (run the general code) when, on CUDA, it times slower than the general code.
-
-        The coordinate-descent tuning of the static code's kernels times each candidate alone
-        and picks differently from run to run (some picks lose to the general code, which
-        calls cuBLAS): both codes are therefore timed on these inputs (``graph_time_ms``:
-        CUDA-graph replays, cold L2 as in a step) and the faster one is kept.
-        """
+    def _compile_static(self, piece: fx.GraphModule, num_tokens: int, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """Inductor code of ``piece`` for exactly ``num_tokens`` tokens, traced from the real ``args``."""
         from torch._inductor.compile_fx import compile_fx
 
         patches = {"coordinate_descent_tuning": True, **self.config.compilation.inductor_compile_config,
@@ -330,61 +320,10 @@ class VattnBackend:
         graph = fx.GraphModule(piece, copy.deepcopy(piece.graph))  # Inductor edits what it compiles
         with torch.no_grad():
             fn = compile_fx(graph, list(args), config_patches=patches)
-            general = self._compiled.get(key)
-            verdict = ""
-            if general is not None and _on_cuda(args):
-                fn(*args)  # first runs tune the kernels (before any timing or capture)
-                general(*args)
-                t_static, t_general = graph_time_ms(fn, args), graph_time_ms(general, args)
-                verdict = f"; {t_static * 1e3:.1f} us vs the general code's {t_general * 1e3:.1f} us"
-                if t_static >= t_general:
-                    _bump(self.counter, num_static_rejected=1)
-                    fn, verdict = None, verdict + ": keeps the general code"
         elapsed = time.perf_counter() - start
         _bump(self.counter, num_static_compiles=1, compile_seconds=elapsed)
-        logger.info("vattn.compile: piece compiled for %d tokens (%.1fs)%s", num_tokens, elapsed, verdict)
+        logger.info("vattn.compile: piece compiled for %d tokens (%.1fs)", num_tokens, elapsed)
         return fn
-
-
-def _on_cuda(args: Sequence[Any]) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-
-
-def graph_time_ms(fn: Callable[..., Any], args: Sequence[Any], calls: int = 4, reps: int = 7) -> float:
-    """Median milliseconds of one ``fn(*args)`` with a cold L2 cache, as a piece runs in a
-    model's step (the layers before it evicted its weights). ``fn`` must have run once
-    (tuned, loaded).
-
-    Timed from CUDA-graph replays (no launch overhead): ``calls`` x (L2 flush, ``fn``) minus
-    ``calls`` x (L2 flush), medians of ``reps`` replays each.
-    """
-    device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
-    scratch = torch.empty(2 * l2, dtype=torch.uint8, device=device)
-
-    def replay_ms(body: Callable[[], Any]) -> float:
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                body()
-        graph.replay()
-        times = []
-        for _ in range(reps):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        del graph
-        return sorted(times)[len(times) // 2]
-
-    def flush_and_run() -> None:
-        scratch.zero_()
-        fn(*args)
-
-    return max(replay_ms(flush_and_run) - replay_ms(scratch.zero_), 0.0) / calls
 
 
 def _token_count_locator(example_inputs: Sequence[Any]) -> tuple[int, int | None] | None:

@@ -135,8 +135,7 @@ class StaticSizes:
         sizes: the token counts to specialise.
         locate: ``(i, None)``: argument ``i`` is the token count; ``(i, d)``: it is
             ``args[i].shape[d]``.
-        compile: ``compile(num_tokens, args) -> fn``, or None to keep the general code for
-            that size.
+        compile: ``compile(num_tokens, args) -> fn``.
     """
 
     sizes: frozenset[int]
