@@ -25,6 +25,7 @@ With ``--compile`` a warm-up request runs first and its time is reported separat
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import time
@@ -172,10 +173,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     had_group = torch.distributed.is_initialized()
     tp, device = init_tensor_parallel(args.tp, args.device)
     args.device = str(device)
+    owns_group = not had_group and torch.distributed.is_initialized()
     try:
-        return _run(args, tp)
+        result = _run(args, tp)
+        if owns_group:  # every rank past its last collective before any rank tears the group down
+            torch.distributed.barrier()
+        return result
     finally:
-        if not had_group and torch.distributed.is_initialized():
+        if owns_group:
+            # The model and engine hold the group through reference cycles: free them now, so
+            # the group's threads are joined while the interpreter is alive (at exit, gloo's
+            # teardown can abort the process).
+            gc.collect()
             torch.distributed.destroy_process_group()
 
 
