@@ -24,7 +24,11 @@ per-kernel table is under ``kernel_profiles`` in the JSON.
 **coldstart**: time to first token in a fresh process for 4 and 32 layers: build, compile
 (Dynamo + Inductor), capture of every size up to 64 (``FULL_AND_PIECEWISE``) and one decode
 step; first with empty Inductor/Triton caches ("cold"), then again with the caches the cold
-run filled ("warm"). Capture seconds and graph-pool memory are reported separately.
+run filled ("warm"), and with Dynamo's trace loaded from ``CompilationConfig.cache_dir``, which
+the cold run wrote ("warm_stored_trace"; ``--no-trace-cache`` leaves it out, and the cold run then
+traces without saving). Capture seconds and graph-pool memory are reported separately; a start
+that loaded the trace also reports the steps of its load (``trace_read_s``, ``trace_deserialize_s``,
+``trace_backend_s``, all within ``compile_s``).
 
     PYTHONPATH=$PWD python benchmarks/bench_compile.py                   # both parts
     PYTHONPATH=$PWD python benchmarks/bench_compile.py --only decode --quick
@@ -66,11 +70,13 @@ DEV = {"device": "cuda", "preset": "llama-3.2-1b"}
 
 def build(layers: int, backend: str | None, num_blocks: int, max_pos: int = 8192,
           compile_sizes: tuple[int, ...] = (),
-          inductor_config: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+          inductor_config: dict[str, Any] | None = None,
+          cache_dir: str | None = None) -> tuple[Any, Any, Any]:
     """The Llama-3.2-1B-shaped model with ``layers`` layers on CUDA (bf16), and its KV cache."""
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
                             compilation=vattn.CompilationConfig(compile_sizes=tuple(compile_sizes),
-                                                                inductor_compile_config=dict(inductor_config or {})))
+                                                                inductor_compile_config=dict(inductor_config or {}),
+                                                                cache_dir=cache_dir))
     mc = get_preset(DEV["preset"], num_hidden_layers=layers, max_position_embeddings=max_pos)
     dtype = torch.bfloat16 if DEV["device"] == "cuda" else torch.float32
     old = torch.get_default_dtype()
@@ -209,7 +215,7 @@ def coldstart_child(args: argparse.Namespace) -> None:
     """One cold start in this process; prints one JSON line (the parent collects it)."""
     t_import = time.perf_counter() - _T0
     t = time.perf_counter()
-    model, cfg, kv = build(args.child_layers, args.backend, num_blocks=512)
+    model, cfg, kv = build(args.child_layers, args.backend, num_blocks=512, cache_dir=args.child_cache_dir)
     _sync()
     t_build = time.perf_counter() - t
 
@@ -244,26 +250,34 @@ def coldstart_child(args: argparse.Namespace) -> None:
         "first_step_s": t_first, "ttft_s": time.perf_counter() - _T0, "mode": runner.mode.name,
         "num_sizes": len(runner.sizes), "inductor_compiles": c.num_inductor_compiles,
         "piece_reuses": c.num_piece_reuses, "token": token,
+        "trace_cache": compiled.trace_path is not None, "trace_loaded": compiled.trace_loaded,
+        # of compile_s, when the trace loaded: reading it, deserialising, the backend on it
+        **{f"trace_{k}_s": round(v, 3) for k, v in compiled.trace_load_seconds.items()},
     }))
 
 
 DYNAMO_PHASES = {"dynamo_total_s": "_compile.compile_inner", "dynamo_tracing_s": "bytecode_tracing",
                  "dynamo_fake_values_s": "get_fake_value", "dynamo_guards_s": "build_guards",
-                 "dynamo_backend_call_s": "OutputGraph.call_user_compiler"}
+                 "dynamo_backend_call_s": "OutputGraph.call_user_compiler",
+                 "dynamo_aot_capture_s": "fullgraph_capture"}
 
 
 def _dynamo_times() -> dict[str, float]:
     """Seconds of Dynamo's timed phases in this process: all of it (``dynamo_total_s``, the
     backend call included), bytecode tracing (fake-tensor propagation of each op among it),
-    guards, and the backend call (``dynamo_backend_call_s``: splitting and compiling pieces)."""
+    guards, and the backend call (``dynamo_backend_call_s``: splitting and compiling pieces).
+    With ``CompilationConfig.cache_dir`` Dynamo captures ahead of time instead:
+    ``dynamo_aot_capture_s`` is all of that capture (backend included), ``dynamo_total_s`` 0."""
     from torch._dynamo.utils import compilation_time_metrics
 
     return {k: round(sum(compilation_time_metrics.get(v, [])), 3) for k, v in DYNAMO_PHASES.items()}
 
 
-def _child(layers: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+def _child(layers: int, args: argparse.Namespace, env: dict[str, str], cache_dir: str | None = None) -> dict[str, Any]:
     """One cold-start child process: its JSON line, or ``{"error": ...}``."""
     cmd = [sys.executable, __file__, "--child-layers", str(layers), "--device", DEV["device"], "--preset", DEV["preset"]]
+    if cache_dir:
+        cmd += ["--child-cache-dir", cache_dir]
     if args.backend:
         cmd += ["--backend", args.backend]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -296,14 +310,20 @@ def run_coldstart(args: argparse.Namespace, payload: dict[str, Any]) -> None:
         for layers in common.progress(args.layers, desc="cold start"):
             with tempfile.TemporaryDirectory(prefix="vattn-coldstart-") as cache:
                 env = dict(base, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
-                for phase in ("cold", "warm"):
-                    r = _child(layers, args, env)
+                # cold saves Dynamo's trace (CompilationConfig.cache_dir); warm traces again;
+                # warm_stored_trace loads the trace instead.
+                trace_dir = f"{cache}/vattn" if args.trace_cache else None
+                phases = [("cold", trace_dir), ("warm", None)] + ([("warm_stored_trace", trace_dir)] if trace_dir else [])
+                for phase, cache_dir in phases:
+                    r = _child(layers, args, env, cache_dir)
                     rows.append({"layers": layers, "phase": phase, **r} if "error" in r else {"phase": phase, **r})
             common.write_results(payload["name"], _payload_for_write(payload))
     by = {(r.get("layers"), r.get("phase")): r for r in rows if "error" not in r}
     lo, hi = min(args.layers), max(args.layers)
     if (lo, "cold") in by and (hi, "cold") in by:
         payload["summary"]["compile_ratio_%d_vs_%d" % (hi, lo)] = by[(hi, "cold")]["compile_s"] / by[(lo, "cold")]["compile_s"]
+    for n in args.layers:
+        payload["summary"][f"ttft_s_{n}_layers"] = {ph: round(r["ttft_s"], 2) for (m, ph), r in by.items() if m == n}
 
 
 def _payload_for_write(payload: dict[str, Any]) -> dict[str, Any]:
@@ -325,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="batch 1 and 8 only, shorter timing")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (with --preset tiny)")
     p.add_argument("--preset", default="llama-3.2-1b", help="model shape from examples/model.py PRESETS")
+    p.add_argument("--no-trace-cache", dest="trace_cache", action="store_false",
+                   help="cold start without CompilationConfig.cache_dir (no stored Dynamo trace, no warm_stored_trace phase)")
     p.add_argument("--child-layers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-cache-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     DEV.update(device=args.device, preset=args.preset)
     if args.device == "cuda" and not torch.cuda.is_available():

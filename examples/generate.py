@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-sizes", default="",
                    help="with --compile: token counts to also compile for exactly (CompilationConfig.compile_sizes), "
                         "e.g. 1 for batch-1 decode (Inductor fuses matrix-vector products); costs a compile per size")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="with --compile: save Dynamo's trace here and load it on later runs instead of tracing "
+                        "(CompilationConfig.cache_dir; Inductor's cache serves the kernels)")
     p.add_argument("--cudagraph", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun --nproc-per-node N)")
     p.add_argument("--symm-mem", action="store_true",
@@ -146,7 +149,7 @@ def build(args: argparse.Namespace, tp: TensorParallel | None = None
         PRESETS[args.preset].max_position_embeddings, max(4096, args.prompt_len + args.output_len)))
     sizes = tuple(int(x) for x in args.compile_sizes.split(",") if x.strip())
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype),
-                            compilation=vattn.CompilationConfig(compile_sizes=sizes))
+                            compilation=vattn.CompilationConfig(compile_sizes=sizes, cache_dir=args.compile_cache_dir))
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

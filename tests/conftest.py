@@ -34,6 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=why))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _room_for_many_compiled_models() -> None:
+    """Every test model of one class shares its ``forward`` code object, and Dynamo keeps at
+    most ``recompile_limit`` (8) compiled entries per code object before a fullgraph compile
+    fails; one test process builds and compiles far more models than that."""
+    with torch._dynamo.config.patch(recompile_limit=256):
+        yield
+
+
 @pytest.fixture
 def vattn_config() -> VattnConfig:
     """A fresh config made current for the test (layers built in the test register into it)."""

@@ -433,20 +433,18 @@ def test_compile_sizes_specialise_exact_token_counts() -> None:
     compiled = vattn.compile(model, cfg)
     counter = compiled.backend.counter
     steps = [(3, [4]), (1, [6]), (1, [7]), (5, [2]), (5, [9]), (4, [3])]
-    # Other tests' TinyModels share this forward's code object: allow their compiles too.
-    with torch._dynamo.config.patch(recompile_limit=64):
-        for i, (n, ctx) in enumerate(steps):
-            common = kv.common_metadata([n], ctx, [[1, 2]])
-            ids, pos = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(i)), torch.arange(ctx[0], ctx[0] + n)
-            saved = {k: t.clone() for k, t in kv.tensors.items()}
-            got = run(compiled, cfg, kv, ids, pos, common)
-            for k, t in kv.tensors.items():
-                t.copy_(saved[k])
-            torch.testing.assert_close(got, run(model, cfg, kv, ids, pos, common), atol=2e-5, rtol=2e-5)
-            if i == 0:
-                assert counter.num_static_compiles == 0
-            if i in (1, 3):  # the first 1-token and 5-token steps: every distinct piece, once
-                assert counter.num_static_compiles == counter.num_inductor_compiles * (1 + (i == 3))
+    for i, (n, ctx) in enumerate(steps):
+        common = kv.common_metadata([n], ctx, [[1, 2]])
+        ids, pos = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(i)), torch.arange(ctx[0], ctx[0] + n)
+        saved = {k: t.clone() for k, t in kv.tensors.items()}
+        got = run(compiled, cfg, kv, ids, pos, common)
+        for k, t in kv.tensors.items():
+            t.copy_(saved[k])
+        torch.testing.assert_close(got, run(model, cfg, kv, ids, pos, common), atol=2e-5, rtol=2e-5)
+        if i == 0:
+            assert counter.num_static_compiles == 0
+        if i in (1, 3):  # the first 1-token and 5-token steps: every distinct piece, once
+            assert counter.num_static_compiles == counter.num_inductor_compiles * (1 + (i == 3))
     assert counter.num_static_compiles == 2 * counter.num_inductor_compiles  # repeats and 3, 4 tokens: none
     assert counter.num_graphs_seen == 1
     pieces = compiled.backend.pieces

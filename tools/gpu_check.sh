@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (after the kit's three install calls, see ../shared/device/README.md):
 #   bash tools/gpu_check.sh PHASE [PHASE...]
-# Phases: env, sdpa, triton, flashinfer, flash_attn, compile, cudagraph, model, all-tests (every test,
+# Phases: env, sdpa, triton, flashinfer, flash_attn, compile, compile-cache, cudagraph, model, all-tests (every test,
 #         GPU ones included, 4 workers), gpu-tests (the GPU-marked ones), profile (profile_step.py),
 #         recompiles (generate.py --compile --cudagraph with TORCH_LOGS=recompiles), bench-triton,
 #         bench-overhead, bench-e2e, bench-compile-decode, bench-compile (cold start), bench-fp8,
@@ -22,6 +22,7 @@ for phase in "$@"; do
     flashinfer) pt -m "not slow" tests/test_flashinfer.py 2>&1 | tee "$OUT/flashinfer.log" | tail -30;;
     flash_attn) pt -m "not slow" tests/test_flash_attn.py 2>&1 | tee "$OUT/flash_attn.log" | tail -30;;
     compile) pt -m "not slow" tests/test_compile.py 2>&1 | tee "$OUT/compile.log" | tail -20;;
+    compile-cache) pt -m "not slow" tests/test_compile_cache.py 2>&1 | tee "$OUT/compile_cache.log" | tail -20;;
     cudagraph) pt -m "not slow" tests/test_cudagraph.py 2>&1 | tee "$OUT/cudagraph.log" | tail -30;;
     model) pt -m "not slow" tests/test_model_parity.py tests/test_generate.py 2>&1 | tee "$OUT/model.log" | tail -20;;
     all-tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -rs -n 4 --dist loadfile --timeout "$T" \

@@ -106,6 +106,11 @@ class CompilationConfig:
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``.
         debug_dump_path: where passes dump graphs before/after, if set.
+        cache_dir: a directory where ``vattn.compile`` saves Dynamo's trace of the model
+            (one file per model, config and input signature) and from which a later start
+            loads it instead of tracing again (``vattn.compile_passes.aot_cache``; torch
+            2.10+). Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``) still serves the
+            kernels. None: trace on every start.
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
@@ -120,6 +125,7 @@ class CompilationConfig:
     compile_sizes: tuple[int, ...] = ()
     inductor_compile_config: dict[str, Any] = field(default_factory=dict, compare=False)
     debug_dump_path: str | None = None
+    cache_dir: str | None = None
     static_forward_context: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

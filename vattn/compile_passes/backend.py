@@ -134,12 +134,8 @@ class SplitItem:
     graph: fx.GraphModule
 
 
-def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx.GraphModule, list[SplitItem]]:
-    """Split ``gm`` so that every splitting op sits alone in a submodule.
-
-    Returns the split module (its ``submod_<i>`` children run in order) and the items in
-    execution order. Nodes between two splitting ops form one piece.
-    """
+def _partition(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> dict[fx.Node, int]:
+    """Each node's submodule index: splitting ops alone, the nodes between two of them together."""
     part: dict[fx.Node, int] = {}
     pid = 0
     for node in gm.graph.nodes:
@@ -151,6 +147,24 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx.Gr
             pid += 1
         else:
             part[node] = pid
+    return part
+
+
+def boundary_nodes(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> set[fx.Node]:
+    """The nodes whose values cross a submodule boundary of ``split_graph``: the inputs, and
+    the values a submodule returns (to a later one or as the graph's output)."""
+    part = _partition(gm, splitting_ops)
+    return {n for n in gm.graph.nodes
+            if n.op == "placeholder" or any(u.op == "output" or part.get(u) != part.get(n) for u in n.users)}
+
+
+def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx.GraphModule, list[SplitItem]]:
+    """Split ``gm`` so that every splitting op sits alone in a submodule.
+
+    Returns the split module (its ``submod_<i>`` children run in order) and the items in
+    execution order. Nodes between two splitting ops form one piece.
+    """
+    part = _partition(gm, splitting_ops)
     splitting_ids = {part[n] for n in part if is_splitting_node(n, splitting_ops)}
     from torch.fx.passes.split_module import split_module
 
@@ -226,6 +240,14 @@ class VattnBackend:
         self._compiled: dict[str, Callable[..., Any]] = {}
         self._static: dict[str, StaticSizes | None] = {}
         self._pass_manager: Any = None
+        self.serializable = False  # set during an ahead-of-time capture (aot_cache.compile_and_save)
+
+    def reset(self) -> None:
+        """Forget every compiled piece and count (a failed ahead-of-time capture)."""
+        self.counter = CompilationCounter()
+        self.pieces, self.split_gm, self.items = [], None, []
+        self._compiled.clear()
+        self._static.clear()
 
     @property
     def num_unique_pieces(self) -> int:
@@ -241,6 +263,15 @@ class VattnBackend:
         return self._pass_manager
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        split_gm = self.compile_graph(gm, example_inputs)
+        if self.serializable:
+            from vattn.compile_passes.aot_cache import SerializableSplitModule
+
+            return SerializableSplitModule(gm, split_gm, self.splitting_ops)
+        return split_gm
+
+    def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+        """Split ``gm`` at the splitting ops and compile its pieces; returns the split module."""
         split_gm, items = split_graph(gm, self.splitting_ops)
         n_split = sum(i.is_splitting for i in items)
         _bump(self.counter, num_graphs_seen=1, num_pieces=len(items) - n_split, num_splitting_ops=n_split)
@@ -362,11 +393,15 @@ def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     """The inputs as fake tensors of the backend's fake mode (symbolic sizes where Dynamo made them)."""
     from torch._guards import detect_fake_mode
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
         return list(example_inputs)
-    # from_tensor finds each input's symbolic context in the active TracingContext.
-    return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    # from_tensor finds each input's symbolic context in the active TracingContext; inputs
+    # already fake (a graph loaded from vattn's cache) are used as they are.
+    return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t
+            for t in example_inputs]
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -461,6 +496,12 @@ class VattnCompiledModel(nn.Module):
         self._signature = inspect.signature(model.forward)
         compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
+        self._aot: Any = None  # the trace loaded from / saved to CompilationConfig.cache_dir
+        self._aot_pending = config.compilation.cache_dir is not None
+        self._aot_missed = False
+        self.trace_path: str | None = None  # the stored trace's file, once the first call chose it
+        self.trace_loaded = False  # whether the first call loaded it (else traced, and saved it)
+        self.trace_load_seconds: dict[str, float] = {}  # aot_cache.load's steps, when it loaded
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -483,15 +524,64 @@ class VattnCompiledModel(nn.Module):
                     mark(v, d % v.dim())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.dynamic:
-            with torch.no_grad():
-                return self._compiled(*args, **kwargs)
-        self._mark_dynamic(args, kwargs)
-        if self.dynamic == "unbacked":
-            with torch.no_grad():
-                return self._compiled(*args, **kwargs)
-        with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with torch.no_grad(), self._trace_config():
+            if self._aot_pending:
+                self._aot_pending = False
+                self._aot = self._load_or_capture(args, kwargs)
+            if self._aot is not None:
+                if self._aot.guard_check(self.model, *args, **kwargs):
+                    return self._aot.fn(self.model, *args, **kwargs)
+                if not self._aot_missed:
+                    self._aot_missed = True
+                    logger.warning(
+                        "vattn.compile: a call fails the guards of the stored trace (e.g. an input of "
+                        "another dtype or rank); it runs through torch.compile, which traces it anew.")
+            # Marks only for Dynamo's tracing: a stored trace's guards take a marked input
+            # for a new marking (torch 2.13), so calls through it pass inputs as they are.
+            if self.dynamic:
+                self._mark_dynamic(args, kwargs)
             return self._compiled(*args, **kwargs)
+
+    def _trace_config(self) -> Any:
+        if self.dynamic == "backed":
+            return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+        return contextlib.nullcontext()
+
+    def _load_or_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The first call with ``CompilationConfig.cache_dir`` set: load the stored trace, or
+        trace ahead of time and store it. None (reason logged): the ordinary path."""
+        from vattn.compile_passes import aot_cache
+
+        why = aot_cache.aot_supported()
+        if why is not None:
+            logger.warning("vattn.compile: CompilationConfig.cache_dir is ignored: %s.", why)
+            return None
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        inputs = [(name, v, self._dynamic_dims(name, v)) for name, v in bound.items()]
+        key = aot_cache.cache_key(self.model, self.config, dynamic=self.dynamic, inputs=inputs)
+        path = self.trace_path = aot_cache.path_for(self.config.compilation.cache_dir, self.model, key)
+        fn = aot_cache.load(path, self.model, self.backend, self.trace_load_seconds)
+        if fn is not None:
+            self.trace_loaded = True
+            return fn
+        self.backend.reset()
+        if self.dynamic:
+            self._mark_dynamic(args, kwargs)
+        try:
+            return aot_cache.compile_and_save(self.model, self.backend, args, kwargs, path)
+        except Exception as e:  # noqa: BLE001  (the ordinary path still compiles the model)
+            logger.warning("vattn.compile: ahead-of-time capture failed (%s: %s); compiling without "
+                           "CompilationConfig.cache_dir.", type(e).__name__, e)
+            self.backend.reset()
+            return None
+
+    def _dynamic_dims(self, name: str, v: Any) -> tuple[int, ...]:
+        if not self.dynamic or not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return ()
+        if self._dims is None:
+            return (0,)
+        dims = self._dims.get(name, ())
+        return tuple(d % v.dim() for d in ([dims] if isinstance(dims, int) else dims))
 
 
 def compile(  # noqa: A001  (mirrors torch.compile)
