@@ -117,3 +117,30 @@ def test_fast_launch_is_captured_on_the_graph_stream() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine: see ../shared/device/README.md)")
+def test_cached_launches_still_call_registered_launch_hooks() -> None:
+    """Cached launches skip Triton's launch metadata only while no launch hook is set."""
+    from triton import knobs
+
+    fl = FastLaunch(_axpy_kernel)
+    x, y, out = (torch.randint(-8, 8, (1000,), device="cuda").float() for _ in range(3))
+
+    def launch() -> None:
+        fl[(4,)](x, y, out, 1000, 2.0, BLOCK=256, SQUARE=False)
+
+    launch()
+    launch()  # cached
+    seen: list[object] = []
+    hook = seen.append
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    launch()
+    torch.cuda.synchronize()
+    assert len(seen) == 1
+    torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)

@@ -11,6 +11,7 @@ environment at access time), so tests and users may change them at run time.
 | ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every CUDA-graph replay that inputs and metadata sit where the capture read them |
 | ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0`` / ``1``: FLASHINFER decode with the tensor-core (prefill) kernel or the CUDA-core decode kernel (default: the tensor-core kernel) |
 | ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: launch vattn's Triton kernels through Triton's own (slower) path instead of ``FastLaunch``'s cache (default ``1``) |
+| ``VATTN_COMPILE_CHECK_GUARDS`` | ``1``: every call of a ``vattn.compile``d model goes through Dynamo's guards (default: once per call signature, see ``vattn.compile_passes.dispatch``) |
 | ``TRITON_INTERPRET`` | Triton's own flag, read here: ``1`` lets TRITON_ATTN run on CPU (the Triton interpreter) |
 | ``VATTN_Q_SCALE_CONSTANT`` etc. | divisors used by ``calc_kv_scales`` (defaults 200, 100, 100) |
 """
@@ -42,6 +43,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VATTN_CUDAGRAPH_DEBUG": _flag("VATTN_CUDAGRAPH_DEBUG"),
     "VATTN_FLASHINFER_DECODE_TENSOR_CORES": _flag("VATTN_FLASHINFER_DECODE_TENSOR_CORES", default="1"),
     "VATTN_TRITON_FAST_LAUNCH": _flag("VATTN_TRITON_FAST_LAUNCH", default="1"),
+    "VATTN_COMPILE_CHECK_GUARDS": _flag("VATTN_COMPILE_CHECK_GUARDS"),
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET"),
     "VATTN_Q_SCALE_CONSTANT": _int("VATTN_Q_SCALE_CONSTANT", 200),
     "VATTN_K_SCALE_CONSTANT": _int("VATTN_K_SCALE_CONSTANT", 100),
@@ -55,6 +57,7 @@ if __debug__:  # static names for type checkers
     VATTN_CUDAGRAPH_DEBUG: bool
     VATTN_FLASHINFER_DECODE_TENSOR_CORES: bool
     VATTN_TRITON_FAST_LAUNCH: bool
+    VATTN_COMPILE_CHECK_GUARDS: bool
     TRITON_INTERPRET: bool
     VATTN_Q_SCALE_CONSTANT: int
     VATTN_K_SCALE_CONSTANT: int

@@ -20,6 +20,7 @@ KV cache: logical ``(2, num_blocks, block_size, Hk, D)``; physical NHD or HND by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -290,6 +291,15 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         return self.build(0, cm)
 
 
+@functools.cache
+def _ops() -> tuple[Any, Any, Any]:
+    """The kernels' launchers, imported on first use (importing them imports Triton)."""
+    from vattn.ops.kv_store import store_kv
+    from vattn.ops.triton_unified_attention import head_pad, unified_attention
+
+    return store_kv, head_pad, unified_attention
+
+
 def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
     """Whether ``quant_key`` (a QuantKey-like object or a dtype) means static per-tensor fp8."""
     if isinstance(quant_key, torch.dtype):
@@ -337,6 +347,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"alibi_slopes must have num_heads = {num_heads} entries, got {tuple(self.alibi_slopes.shape)}."
             )
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
+        self._kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _alibi(self, device: torch.device) -> torch.Tensor | None:
         if self.alibi_slopes is None:
@@ -374,11 +385,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"output dtype {output.dtype} and output_scale ({'given' if output_scale is not None else 'None'}) "
                 "disagree: fp8 output needs output_scale, other dtypes take none."
             )
-        from vattn.ops.kv_store import store_kv
-        from vattn.ops.triton_unified_attention import head_pad, unified_attention
-
+        store_kv, head_pad, unified_attention = _ops()
         md = attn_metadata
-        key_cache, value_cache = kv_cache.unbind(0)
+        views = self._kv_views
+        if views is None or views[0] is not kv_cache:  # unbind once per bound cache, not per call
+            views = self._kv_views = (kv_cache, *kv_cache.unbind(0))
+        _, key_cache, value_cache = views
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             store_kv(key, value, key_cache, value_cache, md.slot_mapping,
                      self.kv_cache_dtype, layer._k_scale, layer._v_scale)

@@ -20,9 +20,11 @@ specialization key call that kernel directly. The key is at least as fine as Tri
 | launch options (``num_warps``, ...) | name and value |
 
 so a kernel is never reused for arguments Triton would have compiled differently. Cached
-launches go through ``CompiledKernel[grid](*args, stream=...)``, which calls Triton's launch
-hooks as ``kernel[grid]`` does; Triton's check that the kernel's global values did not
-change is skipped (vattn never rebinds the globals its kernels read). Under ``TRITON_INTERPRET=1`` (CPU) the
+launches call the kernel's launcher directly, as ``CompiledKernel[grid](...)`` does, but
+without launch metadata or hooks when no launch hook is registered (Triton's hook chains
+are then empty; with a hook set, e.g. by a profiler, launches go through
+``CompiledKernel[grid]`` and call it). Triton's check that the kernel's global values did
+not change is skipped (vattn never rebinds the globals its kernels read). Under ``TRITON_INTERPRET=1`` (CPU) the
 wrapper is a plain pass-through.
 """
 
@@ -71,21 +73,32 @@ def _arg_key(a: Any) -> Any:
 
 def _runtime_key(args: tuple[Any, ...]) -> list[Any]:
     """Key parts of the runtime arguments: ints <= 1 by value, larger ints by (divisible by
-    16, fits int32), tensors by (dtype, 16-byte aligned), floats by type. The common types
-    are tested inline: this runs on every launch."""
-    key: list[Any] = []
-    append = key.append
-    for a in args:
-        t = type(a)
-        if t is int:
-            append(a if a <= 1 else (3 if a & 15 == 0 else 2) if a < _I32 else _arg_key(a))
-        elif t is torch.Tensor:
-            append((a.dtype, a.data_ptr() & 15 == 0))
-        elif t is float:
-            append("f")
-        else:
-            append(_arg_key(a))
-    return key
+    16, fits int32), tensors by dtype and 16-byte alignment, floats by type. The common types
+    are tested inline (and allocate nothing when aligned / small): this runs on every launch."""
+    return [(a if a <= 1 else 3 if a & 15 == 0 else 2) if (t := type(a)) is int and a < _I32
+            else (a.dtype if a.data_ptr() & 15 == 0 else (a.dtype, 1)) if t is torch.Tensor
+            else "f" if t is float else _arg_key(a) for a in args]
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook (a ``HookChain`` in Triton 3.6+, once a callable or None) is set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Cached:
+    """A compiled specialization and what a launch of it needs besides the runtime arguments."""
+
+    __slots__ = ("compiled", "constexprs", "run", "function", "packed")
+
+    def __init__(self, compiled: Any, constexprs: tuple[Any, ...] | None) -> None:
+        self.compiled = compiled
+        self.constexprs = constexprs  # None: a constexpr was left to its default (Triton binds it)
+        # Triton's launcher, called as CompiledKernel[grid](...) calls it (Triton 3.6 - 3.9):
+        # run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
+        # exit_hook, *args). Handles exist: the kernel has launched once.
+        self.run = getattr(compiled, "_run", None)
+        self.function = getattr(compiled, "function", None)
+        self.packed = getattr(compiled, "packed_metadata", None)
 
 
 class FastLaunch:
@@ -114,11 +127,11 @@ class FastLaunch:
         if any(not c for c in constexpr[self.num_runtime:]):
             return  # runtime parameters after constexprs: not this fast path's shape
         self.constexpr_names = tuple(p.name for p in params[self.num_runtime:])
-        from triton.runtime import driver
+        from triton import knobs
 
         from vattn import envs
 
-        self._driver = driver
+        self._knobs = knobs
         self.supported = True
         self.enabled = envs.VATTN_TRITON_FAST_LAUNCH
 
@@ -130,23 +143,30 @@ class FastLaunch:
     def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if len(args) != self.num_runtime:
             return self.kernel[grid](*args, **kwargs)
-        drv = self._driver.active
-        device = drv.get_current_device()
+        device = torch._C._cuda_getDevice()  # Triton's get_current_device(), without its lazy-init check
         try:
             key = (device, *_runtime_key(args), *kwargs.items())
-            compiled = self.cache.get(key)
+            entry = self.cache.get(key)
         except TypeError:  # an unhashable constexpr: no caching
             return self.kernel[grid](*args, **kwargs)
-        if compiled is None:
+        if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if compiled is not None:
-                self.cache[key] = compiled
+                try:
+                    constexprs: tuple[Any, ...] | None = tuple(kwargs[n] for n in self.constexpr_names)
+                except KeyError:
+                    constexprs = None
+                self.cache[key] = _Cached(compiled, constexprs)
             return compiled
-        try:
-            full = (*args, *(kwargs[n] for n in self.constexpr_names))
-        except KeyError:  # a constexpr left to its default: Triton binds it
+        if entry.constexprs is None:
             return self.kernel[grid](*args, **kwargs)
         if len(grid) < 3:
             grid = (*grid, *(1,) * (3 - len(grid)))
-        compiled[grid](*full, stream=drv.get_current_stream(device))
-        return compiled
+        stream = torch._C._cuda_getCurrentRawStream(device)  # Triton's get_current_stream
+        runtime = self._knobs.runtime
+        if entry.run is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            entry.compiled[grid](*args, *entry.constexprs, stream=stream)  # hooks need launch metadata
+        else:  # no launch hooks: no launch metadata, and None tells the launcher to call none
+            entry.run(grid[0], grid[1], grid[2], stream, entry.function, entry.packed, None, None, None,
+                      *args, *entry.constexprs)
+        return entry.compiled
