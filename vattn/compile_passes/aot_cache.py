@@ -103,11 +103,16 @@ class SerializableSplitModule(_SerializableBase):  # type: ignore[misc,valid-typ
         # Dynamo's bookkeeping per placeholder holds the real example tensors: not saved. Of
         # the fake values, only those at the split's boundaries are used after loading (the
         # backend's example inputs and its pieces' outputs); unpickling each of the others
-        # rebuilds a fake tensor (about 1 s for 32 layers), so they are left out too.
+        # rebuilds a fake tensor (about 1 s for 32 layers), so they are saved as None: the
+        # key must stay, since AOTAutograd's cache treats a method call on a node without
+        # one as uncacheable (it bypassed the cache for every loaded piece).
         gm = fn.graph_module
         keep = boundary_nodes(gm, fn.splitting_ops)
         saved = [(n, k, n.meta.pop(k)) for n in gm.graph.nodes for k in ("grapharg", "example_value")
                  if k in n.meta and (k == "grapharg" or n not in keep)]
+        for n, k, _ in saved:
+            if k == "example_value":
+                n.meta[k] = None
         try:
             return _pickler().dumps(gm, Options(ops_filter=None))
         finally:
@@ -232,17 +237,26 @@ def path_for(cache_dir: str, model: torch.nn.Module, key: str) -> str:
 def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tuple[Any, ...],
                      kwargs: dict[str, Any], path: str) -> Any:
     """Trace ``model`` ahead of time on ``(args, kwargs)`` (dims already marked dynamic),
-    compile it with ``backend`` and save the trace to ``path``. Returns the
-    ``AOTCompiledFunction`` (call it as ``fn(model, *args, **kwargs)``)."""
+    save the trace to ``path`` and compile it with ``backend``. Returns the
+    ``AOTCompiledFunction`` (call it as ``fn(model, *args, **kwargs)``).
+
+    The backend compiles the captured graph after the capture, exactly as ``load`` compiles
+    a loaded one (not inside the capture, which changes AOTAutograd's configuration and so
+    the cache keys of every piece): the next start then finds each piece in the caches.
+    """
     from torch._dynamo.aot_compile import aot_compile_fullgraph
     from torch._dynamo.hooks import Hooks
 
-    backend.serializable = True
+    backend.serializable, backend.captured = True, None
     try:
         fn = aot_compile_fullgraph(model, (args, kwargs), hooks=Hooks(), backend=backend, dynamic=False)
     finally:
         backend.serializable = False
+    captured, backend.captured = backend.captured, None
+    if not isinstance(captured, SerializableSplitModule):
+        raise RuntimeError("the ahead-of-time capture did not reach vattn's backend")
     save(fn, path)
+    captured.compile(backend)
     return fn
 
 

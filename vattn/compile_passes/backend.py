@@ -260,6 +260,7 @@ class VattnBackend:
         self._static: dict[str, StaticSizes | None] = {}
         self._pass_manager: Any = None
         self.serializable = False  # set during an ahead-of-time capture (aot_cache.compile_and_save)
+        self.captured: Any = None  # the graph that capture returned, not compiled yet
 
     def reset(self) -> None:
         """Forget every compiled piece and count (a failed ahead-of-time capture)."""
@@ -282,12 +283,12 @@ class VattnBackend:
         return self._pass_manager
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        split_gm = self.compile_graph(gm, example_inputs)
-        if self.serializable:
+        if self.serializable:  # compiled later, as a loaded trace is (aot_cache.compile_and_save)
             from vattn.compile_passes.aot_cache import SerializableSplitModule
 
-            return SerializableSplitModule(gm, split_gm, self.splitting_ops)
-        return split_gm
+            self.captured = SerializableSplitModule(gm, None, self.splitting_ops)
+            return self.captured
+        return self.compile_graph(gm, example_inputs)
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
         """Split ``gm`` at the splitting ops and compile its pieces; returns the split module."""
