@@ -71,7 +71,16 @@ def test_second_compile_loads_the_trace_and_runs_the_same_code(tmp_path, monkeyp
     model, cfg, kv = build(2, cache_dir=str(tmp_path))
     second = vattn.compile(model, cfg)
     traces = _dynamo_traces()
+    from torch._dynamo.utils import counters
+
+    before = {k: dict(v) for k, v in counters.items()}
     loaded = _steps(second, cfg, kv)
+    # Every piece of the loaded graph is found in AOTAutograd's and Inductor's caches, which
+    # the first compile filled (a loaded graph whose cache keys differ compiles again).
+    n = first.backend.counter.num_inductor_compiles
+    new = {(g, k): v - before.get(g, {}).get(k, 0) for g in ("aot_autograd", "inductor") for k, v in counters[g].items()}
+    assert new.get(("aot_autograd", "autograd_cache_hit")) == n, new
+    assert not new.get(("aot_autograd", "autograd_cache_bypass")) and not new.get(("aot_autograd", "autograd_cache_miss"))
     assert second.trace_loaded and second.trace_path == first.trace_path
     assert not missing
     assert set(second.trace_load_seconds) == {"read", "deserialize", "backend"}
