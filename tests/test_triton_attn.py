@@ -598,3 +598,48 @@ def test_cuda_graph_replay_equals_eager(size: int) -> None:
     impl.forward(replay.layer, replay.query, replay.key, replay.value, replay.kv_cache, md, output=eager)
     assert torch.equal(graph_out, eager)
     assert_close(graph_out[: replay.num_actual_tokens], replay.reference(scale=128**-0.5), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_dtype,shape", [("auto", "long_decode"), ("auto", "mixed"), ("auto", "wide_decode"),
+                                             ("fp8", "mixed")])
+def test_cuda_layers_of_a_step_repeat_the_first_layers_launches(kv_dtype: str, shape: str) -> None:
+    """After the step's first layer, the others repeat its launches with their own q/k/v,
+    output, cache and scales (``LaunchPlan``): outputs and every cache equal, bit for bit, the
+    path that validates and launches each layer anew (``FastLaunch`` off: no plans)."""
+    from vattn.ops.triton_launch import LaunchPlan, set_fast_launch
+
+    lens = {"long_decode": dict(context_lens=(900, 30), query_lens=(1, 1)), "mixed": MIXED,
+            "wide_decode": dict(context_lens=tuple(range(5, 400, 10)), query_lens=(1,) * 40)}[shape]
+    heads = (32, 8) if shape == "wide_decode" else (8, 2)  # 40 x 8 programs fill an H100/H200: no split
+    spec = BatchSpec(**lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=64, block_size=16,
+                     dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, k_scale=0.5, v_scale=0.25,
+                     num_pad_tokens=3, device="cuda")
+    base = make_random_batch(spec, seed=30)
+    layers = [make_random_batch(spec, seed=31 + i) for i in range(3)]  # own inputs, caches, scales
+    impls = [TritonAttentionImpl(heads[0], 64, 0.125, num_kv_heads=heads[1], kv_cache_dtype=kv_dtype) for _ in layers]
+
+    def step(fast: bool) -> tuple[object, list[torch.Tensor], list[torch.Tensor]]:
+        set_fast_launch(fast)
+        md = _builder(base).build(0, base.common)  # one metadata for every layer, as in a model
+        caches, outs = [], []
+        for batch, impl in zip(layers, impls):
+            cache, out = batch.kv_cache.clone(), torch.zeros_like(batch.query)
+            impl.forward(batch.layer, batch.query, batch.key, batch.value, cache, md, output=out)  # type: ignore[arg-type]
+            caches.append(cache)
+            outs.append(out)
+        return md, outs, caches
+
+    try:
+        step(True)  # compiles: first launches go through Triton, nothing to repeat yet
+        md, outs, caches = step(True)
+        plans = list(md.launch_plans.values())  # type: ignore[attr-defined]
+        assert len(plans) == 1 and isinstance(plans[0], LaunchPlan)
+        assert len(plans[0].steps) == (3 if md.config.num_splits > 1 else 2)  # type: ignore[attr-defined]
+        _, want_outs, want_caches = step(False)
+    finally:
+        set_fast_launch(True)
+    assert (md.config.num_splits > 1) == (shape != "wide_decode")  # type: ignore[attr-defined]
+    for got, want in zip(outs + caches, want_outs + want_caches):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(outs[1], outs[2])

@@ -144,3 +144,66 @@ def test_cached_launches_still_call_registered_launch_hooks() -> None:
     torch.cuda.synchronize()
     assert len(seen) == 1
     torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)
+
+
+class _FakeParam:
+    def __init__(self, name: str, constexpr: bool) -> None:
+        self.name, self.is_constexpr = name, constexpr
+
+
+class _FakeKernel:
+    """Stands in for a @triton.jit kernel: (x, y, n, BLOCK: constexpr); records what ran."""
+
+    params = [_FakeParam("x", False), _FakeParam("y", False), _FakeParam("n", False), _FakeParam("BLOCK", True)]
+
+    def __init__(self) -> None:
+        self.ran: list[tuple] = []
+        kernel = self
+
+        class Compiled:
+            function, packed_metadata = "fn", "meta"
+
+            def _run(self, gx, gy, gz, stream, function, packed, launch_md, enter, exit_, *args):  # noqa: ANN001
+                kernel.ran.append(("cached", (gx, gy, gz), args))
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):  # noqa: ANN001
+        def launch(*args, **kwargs):  # noqa: ANN002, ANN003
+            self.ran.append(("triton", grid, args))
+            return self.compiled
+        return launch
+
+
+def test_launch_plan_repeats_launches_with_other_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vattn.ops.triton_launch import LaunchPlan, record_launches
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    kernel = _FakeKernel()
+    fl = FastLaunch(kernel)
+    assert fl.supported and fl.enabled
+    a, b, fixed, other = (torch.zeros(8) for _ in range(4))
+    with record_launches() as first:
+        fl[(2,)](a, fixed, 8, BLOCK=4)  # first launch of the specialization: through Triton
+    assert first == [None] and LaunchPlan.build(first, [a], [fixed]) is None
+    with record_launches() as launches:
+        fl[(2,)](a, fixed, 8, BLOCK=4)
+    assert kernel.ran[-1] == ("cached", (2, 1, 1), (a, fixed, 8, 4))
+    plan = LaunchPlan.build(launches, [a], [fixed])
+    assert plan is not None
+    assert LaunchPlan.build(launches, [a], []) is None  # `fixed` unknown: not replayable
+    assert LaunchPlan.build(launches, [], [fixed]) is None
+    assert plan.run([b])
+    assert kernel.ran[-1] == ("cached", (2, 1, 1), (b, fixed, 8, 4))
+    assert kernel.ran[-1][2][0] is b
+    set_fast_launch(False)
+    try:
+        n = len(kernel.ran)
+        assert not plan.run([other]) and len(kernel.ran) == n  # switched to Triton's path: caller launches
+        with record_launches() as off:
+            fl[(2,)](a, fixed, 8, BLOCK=4)
+        assert off == [None]
+    finally:
+        set_fast_launch(True)

@@ -20,8 +20,8 @@ KV cache: logical ``(2, num_blocks, block_size, Hk, D)``; physical NHD or HND by
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_NO_PLAN: Any = object()  # no plan recorded yet for a signature
 _SUPPORTED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 
@@ -157,6 +158,8 @@ class TritonAttentionMetadata(AttentionMetadata):
     config: "UnifiedAttentionConfig"
     partial_out: torch.Tensor | None = None
     partial_lse: torch.Tensor | None = None
+    #: Per layer signature: the launches the step's first such layer made (``LaunchPlan``).
+    launch_plans: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
@@ -291,13 +294,17 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         return self.build(0, cm)
 
 
-@functools.cache
 def _ops() -> tuple[Any, Any, Any]:
-    """The kernels' launchers, imported on first use (importing them imports Triton)."""
-    from vattn.ops.kv_store import store_kv
-    from vattn.ops.triton_unified_attention import head_pad, unified_attention
+    """The kernels' launchers (imported on first use: importing them imports Triton), looked
+    up in ``sys.modules`` on every call: tests reload them for the Triton interpreter."""
+    try:
+        unified = sys.modules["vattn.ops.triton_unified_attention"]
+        return sys.modules["vattn.ops.kv_store"].store_kv, unified.head_pad, unified.unified_attention
+    except KeyError:
+        from vattn.ops.kv_store import store_kv
+        from vattn.ops.triton_unified_attention import head_pad, unified_attention
 
-    return store_kv, head_pad, unified_attention
+        return store_kv, head_pad, unified_attention
 
 
 def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
@@ -348,6 +355,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             )
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self._kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._static_signature = (type(self), self.num_heads, self.num_kv_heads, self.head_size, self.scale,
+                                  self.sliding_window, self.logits_soft_cap, self.kv_cache_dtype, self.attn_type,
+                                  self.kv_sharing_target_layer_name is None)
 
     def _alibi(self, device: torch.device) -> torch.Tensor | None:
         if self.alibi_slopes is None:
@@ -385,12 +395,52 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"output dtype {output.dtype} and output_scale ({'given' if output_scale is not None else 'None'}) "
                 "disagree: fp8 output needs output_scale, other dtypes take none."
             )
-        store_kv, head_pad, unified_attention = _ops()
         md = attn_metadata
         views = self._kv_views
         if views is None or views[0] is not kv_cache:  # unbind once per bound cache, not per call
             views = self._kv_views = (kv_cache, *kv_cache.unbind(0))
         _, key_cache, value_cache = views
+        # Every layer of a step makes the same launches with its own tensors: the first one
+        # records them (validated, specialized) and the others repeat them (LaunchPlan).
+        roles = (query, key, value, output, key_cache, value_cache, layer._k_scale, layer._v_scale,
+                 layer._q_scale, output_scale, self._alibi(query.device), self.sinks)
+        sig = self._plan_signature(roles)
+        plan = md.launch_plans.get(sig, _NO_PLAN) if sig is not None else None
+        if plan is not None and plan is not _NO_PLAN and plan.run(roles):
+            return output
+        if plan is _NO_PLAN:
+            from vattn.ops.triton_launch import LaunchPlan, record_launches
+
+            with record_launches() as launches:
+                self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
+            md.launch_plans[sig] = LaunchPlan.build(launches, roles, (
+                md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping, md.partial_out, md.partial_lse))
+        else:
+            self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
+        return output
+
+    def _plan_signature(self, roles: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """What makes two calls of one step launch the same way, besides their tensors: the
+        tensors' shapes, strides and dtypes (all 16-byte aligned). None: no plan (a
+        misaligned tensor, or the CPU)."""
+        q, k, v, o, kc, vc = roles[:6]
+        if not q.is_cuda:
+            return None
+        ptrs = 0
+        for t in roles:
+            if t is not None:
+                ptrs |= t.data_ptr()
+        if ptrs & 15:
+            return None
+        return (self._static_signature, q.shape, q.stride(), q.dtype, o.shape, o.stride(), o.dtype,
+                None if k is None else (k.shape, k.stride(), k.dtype), None if v is None else (v.shape, v.stride(), v.dtype),
+                kc.shape, kc.stride(), kc.dtype, vc.stride(), tuple(t is None for t in roles[6:]))
+
+    def _launch(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, md: TritonAttentionMetadata,
+                output: torch.Tensor, output_scale: torch.Tensor | None) -> None:
+        """Store the new K/V, then attend (the validated, general path)."""
+        store_kv, head_pad, unified_attention = _ops()
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             store_kv(key, value, key_cache, value_cache, md.slot_mapping,
                      self.kv_cache_dtype, layer._k_scale, layer._v_scale)
@@ -419,4 +469,3 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             k_scale=layer._k_scale, v_scale=layer._v_scale, output_scale=output_scale,
             config=config, partial_out=md.partial_out, partial_lse=md.partial_lse,
         )
-        return output

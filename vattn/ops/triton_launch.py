@@ -30,16 +30,20 @@ wrapper is a plain pass-through.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["FastLaunch", "next_power_of_2", "set_fast_launch"]
+__all__ = ["FastLaunch", "LaunchPlan", "next_power_of_2", "record_launches", "set_fast_launch"]
 
 #: Every FastLaunch made, so ``set_fast_launch`` can switch them all.
 _LAUNCHERS: "weakref.WeakSet[FastLaunch]" = weakref.WeakSet()
+#: Inside ``record_launches``: the launches made so far (None: one that cannot be replayed).
+_recording: contextvars.ContextVar["list[Any] | None"] = contextvars.ContextVar("vattn_launches", default=None)
 
 
 def set_fast_launch(enabled: bool) -> None:
@@ -137,36 +141,111 @@ class FastLaunch:
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
         if not self.enabled:
+            rec = _recording.get()
+            if rec is not None:
+                rec.append(None)  # Triton's own path: nothing to replay
             return self.kernel[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rec = _recording.get()
         if len(args) != self.num_runtime:
+            if rec is not None:
+                rec.append(None)
             return self.kernel[grid](*args, **kwargs)
         device = torch._C._cuda_getDevice()  # Triton's get_current_device(), without its lazy-init check
         try:
             key = (device, *_runtime_key(args), *kwargs.items())
             entry = self.cache.get(key)
         except TypeError:  # an unhashable constexpr: no caching
-            return self.kernel[grid](*args, **kwargs)
-        if entry is None:
+            entry, key = None, None
+        if entry is None or entry.constexprs is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if compiled is not None:
+            if entry is None and key is not None and compiled is not None:
                 try:
                     constexprs: tuple[Any, ...] | None = tuple(kwargs[n] for n in self.constexpr_names)
                 except KeyError:
                     constexprs = None
                 self.cache[key] = _Cached(compiled, constexprs)
+            if rec is not None:
+                rec.append(None)  # a first launch: replayed plans start from the next one
             return compiled
-        if entry.constexprs is None:
-            return self.kernel[grid](*args, **kwargs)
         if len(grid) < 3:
             grid = (*grid, *(1,) * (3 - len(grid)))
-        stream = torch._C._cuda_getCurrentRawStream(device)  # Triton's get_current_stream
+        self._run(entry, grid, args)
+        if rec is not None:
+            rec.append((self, entry, grid, args))
+        return entry.compiled
+
+    def _run(self, entry: _Cached, grid: tuple[int, ...], args: Sequence[Any]) -> None:
+        """Launch a cached specialization on the current stream."""
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # Triton's get_current_stream
         runtime = self._knobs.runtime
         if entry.run is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             entry.compiled[grid](*args, *entry.constexprs, stream=stream)  # hooks need launch metadata
         else:  # no launch hooks: no launch metadata, and None tells the launcher to call none
             entry.run(grid[0], grid[1], grid[2], stream, entry.function, entry.packed, None, None, None,
                       *args, *entry.constexprs)
-        return entry.compiled
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Any]]:
+    """Record the ``FastLaunch`` launches made inside the block (for ``LaunchPlan.build``)."""
+    launches: list[Any] = []
+    token = _recording.set(launches)
+    try:
+        yield launches
+    finally:
+        _recording.reset(token)
+
+
+class LaunchPlan:
+    """Launches recorded from one call, repeated with other tensors in the same roles.
+
+    A caller whose calls differ only in some tensors (each layer's q/k/v/output, KV cache
+    and scales, with the same shapes, strides, dtypes and 16-byte alignment) records the
+    launches of one call and repeats them for the next: no argument binding, no
+    specialization key, no validation (the recorded call did all of it). ``build`` gives
+    None unless every launch was a cached ``FastLaunch`` one and every tensor argument is
+    either one of ``roles`` (replaced on repeat) or one of ``fixed`` (the same for every
+    call the plan serves); the caller must make sure no other device work happened in the
+    recorded region, and that the calls a plan serves have equal non-tensor arguments.
+    """
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: list[tuple[FastLaunch, _Cached, tuple[int, ...], list[Any], tuple[tuple[int, int], ...]]]) -> None:
+        self.steps = steps
+
+    @classmethod
+    def build(cls, launches: Sequence[Any], roles: Sequence[Any], fixed: Sequence[Any]) -> "LaunchPlan | None":
+        steps = []
+        for launch in launches:
+            if launch is None:
+                return None
+            launcher, entry, grid, args = launch
+            subs = []
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                j = next((j for j, r in enumerate(roles) if r is a), None)
+                if j is not None:
+                    subs.append((i, j))
+                elif not any(a is f for f in fixed):
+                    return None  # a tensor made inside the call (or unknown): cannot stand for other calls
+            steps.append((launcher, entry, grid, list(args), tuple(subs)))
+        return cls(steps)
+
+    def run(self, roles: Sequence[Any]) -> bool:
+        """Repeat the launches with ``roles`` (same order as at ``build``); False (nothing
+        launched) when a launcher was switched to Triton's own path since."""
+        for launcher, *_ in self.steps:
+            if not launcher.enabled:
+                return False
+        for launcher, entry, grid, args, subs in self.steps:
+            if subs:
+                args = args.copy()
+                for i, j in subs:
+                    args[i] = roles[j]
+            launcher._run(entry, grid, args)
+        return True
