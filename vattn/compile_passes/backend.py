@@ -34,7 +34,10 @@ step of such a size compiles each distinct piece once more from that step's real
 matrix multiplies into fused matrix-vector reductions), and later steps of that size run it.
 Dynamo still traces once; the general code serves every other size.
 Metadata reaches the attention ops through the forward context, not as graph inputs, so
-changing batch composition never recompiles. Counters: ``VattnBackend.counter`` (per
+changing batch composition never recompiles. At run time the split module calls each attention
+op's Python implementation directly (``direct_op_call``), and ``VattnCompiledModel`` skips
+Dynamo's per-call guard evaluation for call signatures its guards accepted once
+(``dispatch.DirectDispatch``). Counters: ``VattnBackend.counter`` (per
 backend) and ``compilation_counter`` (process-wide).
 
 | counter | meaning |
