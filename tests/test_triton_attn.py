@@ -405,7 +405,7 @@ def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
     ptr.update(q_ptr="*" + q, k_ptr="*" + kv, v_ptr="*" + kv, out_ptr="*" + out, cu_q_ptr="*i32",
                seqused_k_ptr="*i32", block_table_ptr="*i32", softmax_scale="fp32", softcap="fp32")
     c = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, NUM_Q_HEADS=32, QPK=4, HEAD_SIZE=128,
-             HEAD_PAD=128, PAGE_SIZE=16, BLOCK_M=m, BLOCK_Q=m // 4, TILE_N=64, NUM_SPLITS=splits,
+             HEAD_PAD=128, PAGE_SIZE=16, BLOCK_M=m, BLOCK_Q=m // 4, TILE_N=64, SPLIT_KV=splits > 1,
              COMPUTE_DTYPE=tl.bfloat16 if kv == "bf16" else tl.float16, DOT_FP32=False, CAUSAL=True,
              USE_WINDOW=feats, USE_SOFTCAP=feats, USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16",
              KV_FP8=kv != "bf16", OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0,

@@ -22,8 +22,11 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
 * fp8 KV: tiles are cast to fp16 (exact for e4m3 / e5m2), the scales folded into the
   softmax scale and the output; on sm_89+ the value tile is converted with PTX
   ``cvt.rn.f16x2.e4m3x2`` before Triton's dot-layout load (``_fp8_to_f16``).
-* split-KV (``NUM_SPLITS > 1``): each split handles a slice of the block's KV tiles and writes
-  a normalized partial output plus its log2-sum-exp; ``_combine_splits_kernel`` merges them.
+* split-KV (``SPLIT_KV``): each of the grid's ``num_programs(2)`` splits handles a slice of
+  the block's KV tiles and writes a normalized partial output plus its log2-sum-exp;
+  ``_combine_splits_kernel`` merges them. The split count is a run-time value, so one
+  compiled kernel serves every count (a CUDA-graph capture of 11 batch sizes compiles two
+  variants, not one per power of two).
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def _unified_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, QPK: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT_KV: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
@@ -278,8 +281,9 @@ def _unified_attention_kernel(
     t_hi = (kv_hi + TILE_N - 1) // TILE_N
     u_lo = (full_lo + TILE_N - 1) // TILE_N
     u_hi = tl.maximum(full_hi // TILE_N, u_lo)
-    if NUM_SPLITS > 1:
-        per_split = (t_hi - t_lo + NUM_SPLITS - 1) // NUM_SPLITS
+    if SPLIT_KV:
+        num_splits = tl.num_programs(2)
+        per_split = (t_hi - t_lo + num_splits - 1) // num_splits
         s_lo = t_lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, t_hi)
     else:
@@ -337,7 +341,7 @@ def _unified_attention_kernel(
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(v_scale_ptr)
-    if NUM_SPLITS > 1:
+    if SPLIT_KV:
         row = (split * num_tokens + tok_g) * NUM_Q_HEADS + head
         tl.store(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o,
                  mask=row_ok[:, None])

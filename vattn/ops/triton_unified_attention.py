@@ -377,7 +377,7 @@ def unified_attention(
         num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
         *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0),
         NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
-        BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SPLITS=splits,
+        BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, SPLIT_KV=splits > 1,
         COMPUTE_DTYPE=_TL_DTYPES[compute],
         DOT_FP32=q.device.type != "cuda" or compute == torch.float32,
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=bool(softcap),
