@@ -76,7 +76,7 @@ def test_guard_failure_turns_direct_dispatch_off() -> None:
     assert compiled._direct.disabled
 
 
-def test_check_guards_env_and_module_hooks_keep_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_guards_env_module_hooks_and_stances_keep_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
     model, cfg, kv = build(2, use_inductor=False)
     compiled = vattn.compile(model, cfg)
     dynamo = CountingDynamo(compiled)
@@ -96,6 +96,9 @@ def test_check_guards_env_and_module_hooks_keep_dynamo(monkeypatch: pytest.Monke
     handle.remove()
     run(compiled, cfg, kv, ids, torch.arange(3), common)
     assert dynamo.calls == 4
+    with torch.compiler.set_stance("force_eager"):
+        run(compiled, cfg, kv, ids, torch.arange(3), common)
+    assert dynamo.calls == 5
 
 
 def test_signature_tells_apart_what_guards_check() -> None:

@@ -320,7 +320,12 @@ def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
-    """Stores new K/V (``store_kv``), then runs the unified Triton kernel into ``output``."""
+    """Stores new K/V (``store_kv``), then runs the unified Triton kernel into ``output``.
+
+    On CUDA, the first layer of a step (per ``_plan_signature``) records its launches in the
+    step's metadata (``launch_plans``); the other layers repeat them with their own tensors
+    (``vattn.ops.triton_launch.LaunchPlan``), skipping validation and Triton's argument
+    handling: what an eager attention step between CUDA-graph pieces costs on the host."""
 
     def __init__(
         self,
@@ -421,8 +426,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
     def _plan_signature(self, roles: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """What makes two calls of one step launch the same way, besides their tensors: the
-        tensors' shapes, strides and dtypes (all 16-byte aligned). None: no plan (a
-        misaligned tensor, or the CPU)."""
+        impl's settings and the tensors' shapes, strides and dtypes (all 16-byte aligned).
+        None: no plan (a misaligned tensor, or the CPU)."""
         q, k, v, o, kc, vc = roles[:6]
         if not q.is_cuda:
             return None
@@ -434,7 +439,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return None
         return (self._static_signature, q.shape, q.stride(), q.dtype, o.shape, o.stride(), o.dtype,
                 None if k is None else (k.shape, k.stride(), k.dtype), None if v is None else (v.shape, v.stride(), v.dtype),
-                kc.shape, kc.stride(), kc.dtype, vc.stride(), tuple(t is None for t in roles[6:]))
+                kc.shape, kc.stride(), kc.dtype, vc.stride(), tuple(None if t is None else t.dtype for t in roles[6:]))
 
     def _launch(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, md: TritonAttentionMetadata,

@@ -237,7 +237,7 @@ def path_for(cache_dir: str, model: torch.nn.Module, key: str) -> str:
 def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tuple[Any, ...],
                      kwargs: dict[str, Any], path: str) -> Any:
     """Trace ``model`` ahead of time on ``(args, kwargs)`` (dims already marked dynamic),
-    save the trace to ``path`` and compile it with ``backend``. Returns the
+    compile it with ``backend`` and save the trace to ``path``. Returns the
     ``AOTCompiledFunction`` (call it as ``fn(model, *args, **kwargs)``).
 
     The backend compiles the captured graph after the capture, exactly as ``load`` compiles
@@ -255,8 +255,8 @@ def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tupl
     captured, backend.captured = backend.captured, None
     if not isinstance(captured, SerializableSplitModule):
         raise RuntimeError("the ahead-of-time capture did not reach vattn's backend")
+    captured.compile(backend)  # before saving: a trace that does not compile is not stored
     save(fn, path)
-    captured.compile(backend)
     return fn
 
 

@@ -24,8 +24,12 @@ launches call the kernel's launcher directly, as ``CompiledKernel[grid](...)`` d
 without launch metadata or hooks when no launch hook is registered (Triton's hook chains
 are then empty; with a hook set, e.g. by a profiler, launches go through
 ``CompiledKernel[grid]`` and call it). Triton's check that the kernel's global values did
-not change is skipped (vattn never rebinds the globals its kernels read). Under ``TRITON_INTERPRET=1`` (CPU) the
-wrapper is a plain pass-through.
+not change is skipped (vattn never rebinds the globals its kernels read). Under
+``TRITON_INTERPRET=1`` (CPU) the wrapper is a plain pass-through.
+
+``record_launches`` and ``LaunchPlan`` go one step further for callers that repeat the same
+launches with other tensors (the layers of one step): the launches of one call are recorded
+and repeated with the next call's tensors, with no key and no argument binding.
 """
 
 from __future__ import annotations
