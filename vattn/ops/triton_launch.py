@@ -246,10 +246,19 @@ class LaunchPlan:
         for launcher, *_ in self.steps:
             if not launcher.enabled:
                 return False
+        if not self.steps:
+            return True
+        runtime = self.steps[0][0]._knobs.runtime
+        hooked = _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         for launcher, entry, grid, args, subs in self.steps:
             if subs:
                 args = args.copy()
                 for i, j in subs:
                     args[i] = roles[j]
-            launcher._run(entry, grid, args)
+            if hooked or entry.run is None:
+                entry.compiled[grid](*args, *entry.constexprs, stream=stream)
+            else:
+                entry.run(grid[0], grid[1], grid[2], stream, entry.function, entry.packed, None, None, None,
+                          *args, *entry.constexprs)
         return True
