@@ -250,9 +250,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             bk = max(num_tokens, b)
             bt = cm.block_table_tensor
             self._qsl[: b + 1].copy_(cm.query_start_loc[: b + 1], non_blocking=True)
-            self._qsl[b + 1 : bk + 1].fill_(int(cm.query_start_loc_cpu[b]))
             self._seq_lens[:b].copy_(cm.seq_lens[:b], non_blocking=True)
-            self._seq_lens[b:bk].fill_(0)
+            if bk > b:  # padded requests (a launch each; none for a batch of exactly bk requests)
+                self._qsl[b + 1 : bk + 1].fill_(int(cm.query_start_loc_cpu[b]))
+                self._seq_lens[b:bk].fill_(0)
             self._slots[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
             self._block_table[:b, : bt.shape[1]].copy_(bt[:b], non_blocking=True)
             qsl, seq_lens = self._qsl[: bk + 1], self._seq_lens[:bk]
