@@ -205,6 +205,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         self.use_persistent_buffers = self.device.type == "cuda"
         self.max_graph_tokens = max([comp.max_capture_size, *comp.capture_sizes()])
         self._captured = False
+        self._configs: dict[tuple[int, int, int], "UnifiedAttentionConfig"] = {}
         self._allocate(self.max_graph_tokens, 1)
 
     def _allocate(self, num_tokens: int, width: int) -> None:
@@ -222,15 +223,20 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                 and cm.block_table_tensor.shape[1] <= self._block_table.shape[1])
 
     def _config(self, num_tokens: int, num_seqs: int, max_query_len: int) -> "UnifiedAttentionConfig":
-        from vattn.ops.triton_unified_attention import select_unified_attention_config
+        """The launch config for these static sizes (chosen once per distinct triple)."""
+        key = (num_tokens, num_seqs, max_query_len)
+        config = self._configs.get(key)
+        if config is None:
+            from vattn.ops.triton_unified_attention import select_unified_attention_config
 
-        spec = self.kv_cache_spec
-        return select_unified_attention_config(
-            num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=self.num_q_heads,
-            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_seqlen_q=max_query_len,
-            num_sms=self.num_sms, max_split_rows=self.max_split_rows,
-            kv_fp8=spec.cache_dtype_str.startswith("fp8"),
-        )
+            spec = self.kv_cache_spec
+            config = self._configs[key] = select_unified_attention_config(
+                num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=self.num_q_heads,
+                num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_seqlen_q=max_query_len,
+                num_sms=self.num_sms, max_split_rows=self.max_split_rows,
+                kv_fp8=spec.cache_dtype_str.startswith("fp8"),
+            )
+        return config
 
     def build(
         self,
@@ -408,8 +414,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         _, key_cache, value_cache = views
         # Every layer of a step makes the same launches with its own tensors: the first one
         # records them (validated, specialized) and the others repeat them (LaunchPlan).
+        alibi = None if self.alibi_slopes is None else self._alibi(query.device)
         roles = (query, key, value, output, key_cache, value_cache, layer._k_scale, layer._v_scale,
-                 layer._q_scale, output_scale, self._alibi(query.device), self.sinks)
+                 layer._q_scale, output_scale, alibi, self.sinks)
         sig = self._plan_signature(roles)
         plan = md.launch_plans.get(sig, _NO_PLAN) if sig is not None else None
         if plan is not None and plan is not _NO_PLAN and plan.run(roles):
