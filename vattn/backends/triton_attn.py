@@ -419,16 +419,14 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                  layer._q_scale, output_scale, alibi, self.sinks)
         sig = self._plan_signature(roles)
         plan = md.launch_plans.get(sig, _NO_PLAN) if sig is not None else None
-        if plan is not None and plan is not _NO_PLAN and plan.run(roles):
-            return output
-        if plan is _NO_PLAN:
+        if plan is _NO_PLAN:  # this step's first layer of this signature: record
             from vattn.ops.triton_launch import LaunchPlan, record_launches
 
             with record_launches() as launches:
                 self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
             md.launch_plans[sig] = LaunchPlan.build(launches, roles, (
                 md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping, md.partial_out, md.partial_lse))
-        else:
+        elif plan is None or not plan.run(roles):  # no plan (or FastLaunch switched off since)
             self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
         return output
 

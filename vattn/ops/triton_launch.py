@@ -108,6 +108,21 @@ class _Cached:
         self.function = getattr(compiled, "function", None)
         self.packed = getattr(compiled, "packed_metadata", None)
 
+    def launch(self, grid: tuple[int, ...], args: Sequence[Any], stream: int, hooked: bool) -> None:
+        """Launch on ``stream``; ``hooked``: a Triton launch hook is set (it needs launch metadata)."""
+        if hooked or self.run is None:
+            self.compiled[grid](*args, *self.constexprs, stream=stream)
+        else:  # no launch metadata, and None tells the launcher to call no hook
+            self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, None, None, None,
+                     *args, *self.constexprs)
+
+
+def _launch_state(knobs: Any) -> tuple[int, bool]:
+    """The current stream (Triton's get_current_stream) and whether a launch hook is set."""
+    runtime = knobs.runtime
+    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    return stream, _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+
 
 class FastLaunch:
     """``FastLaunch(kernel)[grid](*args, **kwargs)``: ``kernel[grid](...)`` with a host-side cache.
@@ -176,20 +191,11 @@ class FastLaunch:
             return compiled
         if len(grid) < 3:
             grid = (*grid, *(1,) * (3 - len(grid)))
-        self._run(entry, grid, args)
+        entry.launch(grid, args, *_launch_state(self._knobs))
         if rec is not None:
             rec.append((self, entry, grid, args))
         return entry.compiled
 
-    def _run(self, entry: _Cached, grid: tuple[int, ...], args: Sequence[Any]) -> None:
-        """Launch a cached specialization on the current stream."""
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # Triton's get_current_stream
-        runtime = self._knobs.runtime
-        if entry.run is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
-            entry.compiled[grid](*args, *entry.constexprs, stream=stream)  # hooks need launch metadata
-        else:  # no launch hooks: no launch metadata, and None tells the launcher to call none
-            entry.run(grid[0], grid[1], grid[2], stream, entry.function, entry.packed, None, None, None,
-                      *args, *entry.constexprs)
 
 
 @contextlib.contextmanager
@@ -248,17 +254,11 @@ class LaunchPlan:
                 return False
         if not self.steps:
             return True
-        runtime = self.steps[0][0]._knobs.runtime
-        hooked = _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        for launcher, entry, grid, args, subs in self.steps:
+        stream, hooked = _launch_state(self.steps[0][0]._knobs)
+        for _, entry, grid, args, subs in self.steps:
             if subs:
                 args = args.copy()
                 for i, j in subs:
                     args[i] = roles[j]
-            if hooked or entry.run is None:
-                entry.compiled[grid](*args, *entry.constexprs, stream=stream)
-            else:
-                entry.run(grid[0], grid[1], grid[2], stream, entry.function, entry.packed, None, None, None,
-                          *args, *entry.constexprs)
+            entry.launch(grid, args, stream, hooked)
         return True
