@@ -248,32 +248,28 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), each (T, D) in ``dtype``: gathered once per step, shared by all layers."""
-        return (self.cos_cache.index_select(0, positions).to(dtype),
-                self.signed_sin_cache.index_select(0, positions).to(dtype))
+        """(cos, signed sin), each (T, 1, D) in ``dtype``: gathered once per step, shared by all layers
+        (the head axis is added here, once, rather than in every layer)."""
+        return (self.cos_cache.index_select(0, positions).to(dtype)[:, None, :],
+                self.signed_sin_cache.index_select(0, positions).to(dtype)[:, None, :])
 
-    def apply(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` (T, H, D) and ``k`` (T, Hk, D) rotated with ``cos_sin`` (from ``cos_sin``)."""
-        cos, sin = cos_sin
-        return _apply_rope(q, cos, sin, self.swap_halves), _apply_rope(k, cos, sin, self.swap_halves)
+    def apply(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``x`` (T, heads, D) rotated with ``cos_sin`` (from ``cos_sin``).
+
+        ``x * cos + rotate_half(x) * sin``, where rotate_half(x) = cat(-x2, x1) is written as the
+        halves swapped (``index_select`` with the permutation ``swap_halves``: index arithmetic,
+        no view of a strided tensor, valid for any token count) times sin with its first half
+        negated, so Inductor computes RoPE, the cos / sin gather and an fp8 quantization after
+        it in one kernel instead of materialising the ``cat``. Bitwise the same values as the
+        ``cat`` form.
+        """
+        cos, signed_sin = cos_sin
+        return x * cos + x.index_select(-1, self.swap_halves) * signed_sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(self.cos_sin(positions, q.dtype), q, k)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for x (T, H, D), cos / signed_sin (T, D).
-
-    rotate_half(x) = cat(-x2, x1) is written as the halves swapped (``index_select`` with the
-    permutation ``swap``: index arithmetic, no view of a strided tensor, valid for any token
-    count) times sin with its first half negated, so Inductor computes RoPE, the cos / sin
-    gather and an fp8 quantization after it in one kernel per tensor instead of
-    materialising the ``cat``. Bitwise the same values as the ``cat`` form.
-    """
-    swapped = x.index_select(-1, swap)
-    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
+        cos_sin = self.cos_sin(positions, q.dtype)
+        return self.apply(cos_sin, q), self.apply(cos_sin, k)
 
 
 class SelfAttention(nn.Module):
@@ -305,14 +301,18 @@ class SelfAttention(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``cos_sin``: the step's RoPE table rows (``RotaryEmbedding.cos_sin``); x (T, hidden)."""
-        T = x.shape[0]
+        T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
         # Heads split on the contiguous projection output: no reshape of a strided slice
         # (which would make a compiled graph guard on the token count being 1).
-        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        qkv = self.qkv_proj(x).view(T, H + 2 * Hk, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope[0].apply(cos_sin, q, k)
+            q, k, v = qkv.split([H, Hk, Hk], dim=1)
+            q, k = self.rope[0].apply(cos_sin, self.q_norm(q)), self.rope[0].apply(cos_sin, self.k_norm(k))
+        else:
+            # q and k rotated as one (T, H + Hk, D) tensor: one kernel, and fewer ops for
+            # Dynamo to trace in every layer (compile time grows with depth).
+            q, k = self.rope[0].apply(cos_sin, qkv[:, : H + Hk]).split([H, Hk], dim=1)
+            v = qkv[:, H + Hk :]
         out = self.attn(q, k, v)
         return self.o_proj(out)
 

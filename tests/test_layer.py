@@ -142,6 +142,8 @@ def test_input_errors(vattn_config):
             layer(torch.randn(2, H * D), torch.randn(2, H * D), torch.randn(2, HK * D))
         with pytest.raises(TypeError, match="dtype"):
             layer(torch.randn(2, H * D), torch.randn(2, HK * D).half(), torch.randn(2, HK * D))
+        with pytest.raises(ValueError, match="value has 1 tokens but query has 2"):
+            layer(torch.randn(2, H * D), torch.randn(2, HK * D), torch.randn(1, HK * D))
     # cache not bound: metadata present but allocate_kv_cache never called
     from vattn.backends.torch_sdpa import TorchSDPABackend
     from vattn.backends.utils import AttentionSpec
@@ -150,6 +152,31 @@ def test_input_errors(vattn_config):
     with vattn.set_forward_context(builder.build(0, common), vattn_config):
         with pytest.raises(RuntimeError, match="KV cache not allocated"):
             layer(torch.randn(2, H * D), torch.randn(2, HK * D), torch.randn(2, HK * D))
+
+
+def test_input_errors_under_compile(vattn_config):
+    """Under torch.compile the checks run at trace time (the attention op's fake implementation,
+    not traced Python), with the same messages; a wrong 2-D width fails the view."""
+    torch._dynamo.reset()
+    layer = _layer("a")
+    kv = vattn.allocate_kv_cache(vattn_config, num_blocks=4)
+    md = kv.build_metadata(kv.common_metadata([3], [0], [[0]]))
+    fn = torch.compile(lambda q, k, v: layer(q, k, v), fullgraph=True, dynamic=True)
+    with vattn.set_forward_context(md, vattn_config):
+        with pytest.raises(Exception, match="query last dim"):
+            fn(torch.randn(3, H + 1, D), torch.randn(3, HK, D), torch.randn(3, HK, D))
+        with pytest.raises(Exception, match="key last dim"):
+            fn(torch.randn(3, H, D), torch.randn(3, H, D), torch.randn(3, HK, D))
+        with pytest.raises(Exception, match="key dtype"):
+            fn(torch.randn(3, H, D), torch.randn(3, HK, D).half(), torch.randn(3, HK, D))
+        short_v = torch.compile(lambda x: layer(x[:, :H], x[:, H:H + HK], x[1:, H + HK:]), fullgraph=True, dynamic=True)
+        with pytest.raises(Exception, match="value has"):
+            short_v(torch.randn(3, H + 2 * HK, D))
+        with pytest.raises(Exception, match="invalid for input of size"):  # 2 * (H * D): not two query tokens
+            fn(torch.randn(3, 2 * H * D), torch.randn(3, HK * D), torch.randn(3, HK * D))
+        out = fn(torch.randn(3, H * D), torch.randn(3, HK * D), torch.randn(3, HK * D))
+    assert out.shape == (3, H * D)
+    torch._dynamo.reset()
 
 
 def test_cache_dtype_mismatch_is_an_error(vattn_config):

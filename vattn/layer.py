@@ -85,10 +85,11 @@ def _backend_class(attn_backend: type[AttentionBackend] | str) -> type[Attention
 
 def _as_heads(x: torch.Tensor | None, heads: int, head_size: int) -> torch.Tensor | None:
     """``x`` as (T, heads, head_size): (T, heads * head_size) is viewed, a 3-D tensor passes as is
-    (a strided q/k/v slice is not re-viewed, so a compiled graph never guards on T == 1)."""
+    (a strided q/k/v slice is not re-viewed, so a compiled graph never guards on T == 1). The
+    token count is kept, so a wrong width fails here instead of changing the token count."""
     if x is None or x.dim() == 3:
         return x
-    return x.view(-1, heads, head_size)
+    return x.view(x.shape[0], heads, head_size)
 
 
 class Attention(nn.Module):
@@ -259,10 +260,30 @@ class Attention(nn.Module):
                     f"{self.layer_name}: {name} dtype {t.dtype} differs from query dtype {query.dtype}; "
                     "cast q, k and v to the model dtype."
                 )
+            tokens = (t.shape[0], query.shape[0])
+            if all(type(n) is int for n in tokens) and tokens[0] != tokens[1]:  # symbolic: check_traced_inputs
+                raise ValueError(
+                    f"{self.layer_name}: {name} has {t.shape[0]} tokens but query has {query.shape[0]}; "
+                    "pass the same tokens' q, k and v."
+                )
             if t.device != query.device:
                 raise ValueError(
                     f"{self.layer_name}: {name} is on {t.device} but query is on {query.device}; "
                     "move the inputs to one device."
+                )
+
+    def check_traced_inputs(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+        """``_check_inputs`` on the (T, heads, D) tensors the attention op gets at trace time
+        (the op's fake implementation calls it); token counts are compared without adding
+        guards (an error only where they differ for every size)."""
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        self._check_inputs(query, key, value)
+        for name, t in (("key", key), ("value", value)):
+            if t is not None and statically_known_true(t.shape[0] != query.shape[0]):
+                raise ValueError(
+                    f"{self.layer_name}: {name} has {t.shape[0]} tokens but query has {query.shape[0]}; "
+                    "pass the same tokens' q, k and v."
                 )
 
     def forward(
@@ -273,7 +294,11 @@ class Attention(nn.Module):
         output_shape: torch.Size | None = None,
     ) -> torch.Tensor:
         """Attend over the paged cache. Shapes in the class docstring; returns (T, H*D)."""
-        self._check_inputs(query, key, value)
+        if not torch.compiler.is_compiling():
+            # Under torch.compile the attention op's fake implementation runs the same checks
+            # (``check_traced_inputs``) natively, where Dynamo would trace every comparison in
+            # every layer (tens of ms each).
+            self._check_inputs(query, key, value)
         if self.calculate_kv_scales:
             torch.ops.vattn.maybe_calc_kv_scales(
                 query, key, value, self._q_scale, self._k_scale, self._v_scale, self.layer_name

@@ -13,7 +13,8 @@ import torch
 from torch.library import Library, infer_schema
 
 from vattn.backends.abstract import AttentionType
-from vattn.forward_context import get_forward_context
+from vattn.config import get_current_vattn_config
+from vattn.forward_context import get_forward_context, is_forward_context_available
 
 __all__ = ["python_impl", "register_op", "vattn_lib"]
 
@@ -115,6 +116,18 @@ def unified_attention_with_output(
     _run_layer(query, key, value, output, layer_name, output_scale)
 
 
+def _check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str) -> None:
+    """The layer's input checks at trace time (``Attention.check_traced_inputs``), when the
+    layer can be found (a forward context, or the current config, names it)."""
+    layer = None
+    if is_forward_context_available():
+        layer = get_forward_context().no_compile_layers.get(layer_name)
+    if layer is None:
+        layer = get_current_vattn_config().compilation.static_forward_context.get(layer_name)
+    if layer is not None:
+        layer.check_traced_inputs(query, key, value)
+
+
 def _unified_attention_with_output_fake(
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -123,7 +136,7 @@ def _unified_attention_with_output_fake(
     layer_name: str,
     output_scale: torch.Tensor | None = None,
 ) -> None:
-    return None
+    _check_traced(query, key, value, layer_name)
 
 
 register_op(
@@ -144,6 +157,7 @@ def unified_attention(
 def _unified_attention_fake(
     query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
 ) -> torch.Tensor:
+    _check_traced(query, key, value, layer_name)
     return torch.empty_like(query).contiguous()
 
 
