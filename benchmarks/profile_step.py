@@ -12,6 +12,9 @@ every request at ``--context`` cached tokens) through ``vattn.compile`` and a
 | ``host_ms`` | CPU time to issue one step (timed before the final sync) |
 | ``kernels_per_step`` / ``kernel_ms`` | kernels in one replay and the sum of their durations (profiler) |
 
+``--mode PIECEWISE --host-profile 200`` adds, per backend and batch, the host functions that
+take a step's time (cProfile: own and cumulative microseconds per step).
+
 The per-kernel table of each replay (name, launches per step, ms per step) is under
 ``summary.kernel_profiles``. Backend names: ``FLASHINFER-cudacore`` is FLASHINFER with
 ``VATTN_FLASHINFER_DECODE_TENSOR_CORES=0``; ``auto`` is the platform's choice.
@@ -57,7 +60,7 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
                                          inductor_config=json.loads(args.inductor_config))
     compiled = vattn.compile(model, cfg, dynamic=args.dynamic)
     runner = vattn.CUDAGraphRunner(compiled, cfg, kv, capture_sizes=tuple(args.batches),
-                                   mode=vattn.CUDAGraphMode.FULL_DECODE_ONLY, show_progress=False)
+                                   mode=vattn.CUDAGraphMode[args.mode], show_progress=False)
     chosen = type(kv.groups[0].builder).__name__
     rows, tables = [], {}
     for b in args.batches:
@@ -78,6 +81,8 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
         target = entry.graph.replay if entry is not None and mode == "FULL" else step
         if entry is not None and mode == "FULL":
             row["replay_ms"] = common.bench(target, warmup=25, rep=100)["median_ms"]
+        if args.host_profile:
+            tables[f"{name}/b{b}/host"] = host_profile(step, args.host_profile, top=args.top)
         prof = common.profile_kernels(target, top=args.top)
         row.update(kernels_per_step=prof["kernels_per_step"], kernel_ms=prof["kernel_ms_per_step"])
         tables[f"{name}/b{b}"] = prof
@@ -87,6 +92,36 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
               file=sys.stderr, flush=True)
     runner.release()
     return rows, tables
+
+
+def host_profile(step: Any, steps: int, top: int) -> dict[str, Any]:
+    """Where the host's time per step goes: cProfile over ``steps`` steps (no sync between
+    them, as a decode loop), the ``top`` functions by own time and by cumulative time, in
+    microseconds per step. cProfile slows Python down, so read the shares, not the totals."""
+    import cProfile
+    import pstats
+
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+
+    def fmt(key: tuple[str, int, str]) -> str:
+        path, line, fn = key
+        parts = path.replace("\\", "/").split("/")
+        return f"{'/'.join(parts[-2:])}:{line}({fn})" if path != "~" else fn
+
+    total = sum(v[2] for v in stats.values())
+    rows = [{"function": fmt(k), "calls_per_step": v[1] / steps, "own_us": v[2] / steps * 1e6,
+             "cum_us": v[3] / steps * 1e6} for k, v in stats.items()]
+    return {"steps": steps, "profiled_us_per_step": total / steps * 1e6,
+            "by_own": sorted(rows, key=lambda r: -r["own_us"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_us"])[:top]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
     p.add_argument("--inductor-config", default="{}",
                    help='CompilationConfig.inductor_compile_config as JSON, e.g. \'{"coordinate_descent_tuning": false}\'')
-    p.add_argument("--top", type=int, default=30, help="kernels kept per table")
+    p.add_argument("--top", type=int, default=30, help="kernels (and host functions) kept per table")
+    p.add_argument("--mode", default="FULL_DECODE_ONLY", choices=[m.name for m in vattn.CUDAGraphMode],
+                   help="the CUDAGraphRunner's mode (PIECEWISE: host-bound steps, see --host-profile)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="also profile the host with cProfile over STEPS steps (summary.kernel_profiles['<backend>/b<N>/host'])")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_step.py needs a CUDA GPU (run it on the device machine).", file=sys.stderr)
@@ -122,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["elapsed_s"] = round(time.perf_counter() - t0, 1)
         path = common.write_results("profile", {"env": env, "rows": rows, "summary": summary})
     table = common.Table(["backend", "batch", "replay_ms", "step_ms", "host_ms", "kernels_per_step", "kernel_ms"],
-                         title=f"FULL-graph decode step ({env['device_name']}, context {args.context})")
+                         title=f"{args.mode} decode step ({env['device_name']}, context {args.context})")
     table.extend(rows)
     table.print()
     print(f"wrote {path}")

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from vattn.ops.triton_launch import FastLaunch, _runtime_key, next_power_of_2, set_fast_launch  # noqa: E402
+from vattn.ops.triton_launch import FastLaunch, _direct_launch, _runtime_key, next_power_of_2, set_fast_launch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -37,6 +37,34 @@ def test_runtime_key_separates_what_triton_specializes() -> None:
     assert k(2.0) == k(3.5) and k(2.0) != k(2)  # floats by type only
     assert k(True) != k(False) and k(True) != k(1)
     assert k(None) != k(0)
+
+
+def test_direct_launch_only_for_the_known_launcher_shape() -> None:
+    """The C launcher is called directly only for Triton 3.6's ``CudaLauncher.__call__`` shape
+    (scratch allocation, then ``launch``) and kernels without scratch memory."""
+
+    class CudaLauncher:
+        launch, launch_cooperative_grid, launch_pdl = print, False, True
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # type: ignore[no-untyped-def]
+            raise AssertionError
+
+    run = CudaLauncher()
+    assert _direct_launch(run) == (print, False, True)
+    run.global_scratch_size = 128  # type: ignore[misc]
+    assert _direct_launch(run) is None
+
+    class Newer(CudaLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):  # type: ignore[no-untyped-def, override]
+            raise AssertionError
+
+    Newer.__name__ = "CudaLauncher"
+    assert _direct_launch(Newer()) is None  # another version's __call__: through it
+    run = CudaLauncher()
+    run.gsan_enabled = False  # type: ignore[attr-defined]
+    assert _direct_launch(run) is None
+    assert _direct_launch(None) is None and _direct_launch(object()) is None
 
 
 @triton.jit
@@ -92,6 +120,8 @@ def test_fast_launch_matches_triton_and_reuses_kernels() -> None:
         run(*case)
     keys = len(fl.cache)
     assert 4 <= keys <= len(cases)
+    if triton.__version__.startswith("3.6."):  # the device's Triton: cached launches call the C launcher
+        assert all(entry.direct is not None for entry in fl.cache.values())
     for case in cases:
         run(*case)
     assert len(fl.cache) == keys

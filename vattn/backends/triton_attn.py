@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -326,6 +327,20 @@ def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
     return dtype in _FP8 and bool(static) and per_tensor
 
 
+def _fixed_signature(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     others: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...] | None:
+    """The launch-plan signature part of a layer's cache and scales (computed once per bound
+    cache): shapes, strides, dtypes; None when one of them is not 16-byte aligned."""
+    ptrs = key_cache.data_ptr() | value_cache.data_ptr()
+    for t in others:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    if ptrs & 15:
+        return None
+    return (key_cache.shape, key_cache.stride(), key_cache.dtype, value_cache.stride(),
+            tuple(None if t is None else t.dtype for t in others))
+
+
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """Stores new K/V (``store_kv``), then runs the unified Triton kernel into ``output``.
 
@@ -366,7 +381,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 f"alibi_slopes must have num_heads = {num_heads} entries, got {tuple(self.alibi_slopes.shape)}."
             )
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
-        self._kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._fixed: tuple[Any, ...] | None = None  # (cache, scales...), K view, V view, their signature part
         self._static_signature = (type(self), self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                                   self.sliding_window, self.logits_soft_cap, self.kv_cache_dtype, self.attn_type,
                                   self.kv_sharing_target_layer_name is None)
@@ -408,16 +423,20 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 "disagree: fp8 output needs output_scale, other dtypes take none."
             )
         md = attn_metadata
-        views = self._kv_views
-        if views is None or views[0] is not kv_cache:  # unbind once per bound cache, not per call
-            views = self._kv_views = (kv_cache, *kv_cache.unbind(0))
-        _, key_cache, value_cache = views
+        alibi = None if self.alibi_slopes is None else self._alibi(query.device)
+        fixed = (kv_cache, layer._k_scale, layer._v_scale, layer._q_scale, alibi, self.sinks)
+        views = self._fixed
+        if views is None or not all(map(operator.is_, views[0], fixed)):
+            # Once per bound cache (and scales): the cache unbound into K / V, and the part of
+            # the launch-plan signature that depends on these tensors only.
+            key_cache, value_cache = kv_cache.unbind(0)
+            views = self._fixed = (fixed, key_cache, value_cache, _fixed_signature(key_cache, value_cache, fixed[1:]))
+        _, key_cache, value_cache, fixed_sig = views
         # Every layer of a step makes the same launches with its own tensors: the first one
         # records them (validated, specialized) and the others repeat them (LaunchPlan).
-        alibi = None if self.alibi_slopes is None else self._alibi(query.device)
         roles = (query, key, value, output, key_cache, value_cache, layer._k_scale, layer._v_scale,
                  layer._q_scale, output_scale, alibi, self.sinks)
-        sig = self._plan_signature(roles)
+        sig = self._plan_signature(query, key, value, output, output_scale, fixed_sig)
         plan = md.launch_plans.get(sig, _NO_PLAN) if sig is not None else None
         if plan is _NO_PLAN:  # this step's first layer of this signature: record
             from vattn.ops.triton_launch import LaunchPlan, record_launches
@@ -430,22 +449,23 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
         return output
 
-    def _plan_signature(self, roles: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _plan_signature(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, o: torch.Tensor,
+                        output_scale: torch.Tensor | None, fixed_sig: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """What makes two calls of one step launch the same way, besides their tensors: the
-        impl's settings and the tensors' shapes, strides and dtypes (all 16-byte aligned).
+        impl's settings, the tensors' shapes, strides and dtypes (all 16-byte aligned), and
+        ``fixed_sig`` (``_fixed_signature`` of the layer's cache and scales).
         None: no plan (a misaligned tensor, or the CPU)."""
-        q, k, v, o, kc, vc = roles[:6]
-        if not q.is_cuda:
+        if fixed_sig is None or not q.is_cuda:
             return None
-        ptrs = 0
-        for t in roles:
+        ptrs = q.data_ptr() | o.data_ptr()
+        for t in (k, v, output_scale):
             if t is not None:
                 ptrs |= t.data_ptr()
         if ptrs & 15:
             return None
-        return (self._static_signature, q.shape, q.stride(), q.dtype, o.shape, o.stride(), o.dtype,
+        return (self._static_signature, fixed_sig, q.shape, q.stride(), q.dtype, o.shape, o.stride(), o.dtype,
                 None if k is None else (k.shape, k.stride(), k.dtype), None if v is None else (v.shape, v.stride(), v.dtype),
-                kc.shape, kc.stride(), kc.dtype, vc.stride(), tuple(None if t is None else t.dtype for t in roles[6:]))
+                None if output_scale is None else output_scale.dtype)
 
     def _launch(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, md: TritonAttentionMetadata,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -96,7 +97,7 @@ def _hooked(hook: Any) -> bool:
 class _Cached:
     """A compiled specialization and what a launch of it needs besides the runtime arguments."""
 
-    __slots__ = ("compiled", "constexprs", "run", "function", "packed")
+    __slots__ = ("compiled", "constexprs", "run", "function", "packed", "direct")
 
     def __init__(self, compiled: Any, constexprs: tuple[Any, ...] | None) -> None:
         self.compiled = compiled
@@ -107,14 +108,38 @@ class _Cached:
         self.run = getattr(compiled, "_run", None)
         self.function = getattr(compiled, "function", None)
         self.packed = getattr(compiled, "packed_metadata", None)
+        self.direct = _direct_launch(self.run)
 
     def launch(self, grid: tuple[int, ...], args: Sequence[Any], stream: int, hooked: bool) -> None:
         """Launch on ``stream``; ``hooked``: a Triton launch hook is set (it needs launch metadata)."""
         if hooked or self.run is None:
             self.compiled[grid](*args, *self.constexprs, stream=stream)
+        elif self.direct is not None:  # the C launcher itself: no scratch to allocate
+            launch, coop, pdl = self.direct
+            launch(grid[0], grid[1], grid[2], stream, self.function, coop, pdl, None, None, self.packed,
+                   None, None, None, *args, *self.constexprs)
         else:  # no launch metadata, and None tells the launcher to call no hook
             self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, None, None, None,
                      *args, *self.constexprs)
+
+
+def _direct_launch(run: Any) -> tuple[Any, Any, Any] | None:
+    """``(launch, cooperative, pdl)`` of a Triton CUDA launcher whose ``__call__`` only allocates
+    scratch memory before calling its C ``launch`` (Triton 3.6's ``CudaLauncher``), when the
+    kernel needs no scratch: calling ``launch`` directly skips a Python frame per launch. None
+    for any other launcher (other Triton versions do more in ``__call__``)."""
+    call = getattr(type(run), "__call__", None)
+    if call is None or type(run).__name__ != "CudaLauncher" or hasattr(run, "gsan_enabled"):
+        return None
+    try:
+        params = list(inspect.signature(call).parameters)
+        if params != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+            return None
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        return run.launch, run.launch_cooperative_grid, run.launch_pdl
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _launch_state(knobs: Any) -> tuple[int, bool]:
