@@ -21,6 +21,11 @@ also gets an ``<impl>/loop`` row: ``DecodeLoop`` continues the same requests wit
 device-resident inputs and no per-step sync (what a tuned engine does in steady-state
 decode), so host work overlaps the GPU. Graph rows carry ``graph_mode``, the mode the
 runner's dispatcher actually used for the last decode step (FULL / PIECEWISE / NONE).
+``/loop`` rows also say why a loop is slower than its GPU work: ``host_ms`` (time to issue a
+step; near ``ms_per_step`` when host-bound or waiting), ``syncs_per_step`` and ``sync_sites``
+(host synchronizations of two warm-up steps, ``torch.cuda.set_sync_debug_mode``), and for
+compiled impls ``dynamo_graphs`` (1 unless something recompiled) and ``direct_dispatch``
+(whether calls still skip Dynamo's guards).
 transformers step times are ``(t(generate N+1 tokens) - t(generate 1 token)) / N``,
 medians over repeats (one reused, reset ``StaticCache`` per shape). All greedy, same weights.
 
@@ -222,18 +227,49 @@ class DecodeLoop:
 
     @torch.no_grad()
     def run(self, warmup: int = 4) -> tuple[dict[str, Any], torch.Tensor]:
-        """Figures of ``steps - warmup`` timed steps, and the (steps, B) tokens."""
+        """Figures of ``steps - warmup`` timed steps, and the (steps, B) tokens.
+
+        Besides the wall time: ``host_ms``, the time the host takes to issue a step (about
+        ``ms_per_step`` when the loop is host-bound, or when a step waits for the GPU), and
+        on CUDA ``syncs_per_step`` / ``sync_sites``: the host synchronizations of the last
+        two warm-up steps (``torch.cuda.set_sync_debug_mode``), which stop host work from
+        overlapping the GPU.
+        """
         start_len = float(self.pos_cpu.float().mean())
-        out = [self.step() for _ in range(warmup)]
+        probe = 2 if self.engine.device.type == "cuda" and warmup >= 2 else 0
+        out = [self.step() for _ in range(warmup - probe)]
+        syncs = self._count_syncs(out, probe) if probe else {}
         sync(self.engine.device)
         t0 = time.perf_counter()
         out += [self.step() for _ in range(self.steps - warmup)]
+        host_s = time.perf_counter() - t0
         sync(self.engine.device)
-        ms = 1e3 * (time.perf_counter() - t0) / (self.steps - warmup)
+        n = self.steps - warmup
+        ms = 1e3 * (time.perf_counter() - t0) / n
         b = self.rows.shape[0]
         kv_len = start_len + (warmup + self.steps - 1) / 2 + 1  # mean sequence length of the timed steps
-        return ({"ms_per_step": ms, "tok_s": b * 1e3 / ms, "decode_steps": self.steps - warmup, "kv_len": kv_len},
-                torch.stack(out))
+        return ({"ms_per_step": ms, "tok_s": b * 1e3 / ms, "decode_steps": n, "kv_len": kv_len,
+                 "host_ms": 1e3 * host_s / n, **syncs}, torch.stack(out))
+
+    def _count_syncs(self, out: list[torch.Tensor], steps: int) -> dict[str, Any]:
+        """Run ``steps`` steps (appended to ``out``) under CUDA sync debugging; the syncs per
+        step and where they came from (``file:line message``, most frequent first)."""
+        import warnings
+
+        sites: dict[str, int] = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out += [self.step() for _ in range(steps)]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message).lower():
+                site = f"{Path(w.filename).name}:{w.lineno} {str(w.message).splitlines()[0][:80]}"
+                sites[site] = sites.get(site, 0) + 1
+        return {"syncs_per_step": sum(sites.values()) / steps,
+                "sync_sites": "; ".join(f"{k} (x{v})" for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:3])}
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -539,11 +575,23 @@ class VattnImpls:
             raise
         if "graph_runner" in r:
             loop["graph_mode"] = graph_mode(r)
+        loop.update(self._compile_state(impl))
         self.loop_tokens[(impl, batch, context)] = tokens.cpu()
         ref = self.loop_tokens.get(("vattn-eager", batch, context))
         if ref is not None and impl != "vattn-eager":
             loop["tokens_agree_with_eager"] = float((ref == tokens.cpu()).float().mean())
         return {**figures, "setup_s": setup_s}, loop
+
+
+    def _compile_state(self, impl: str) -> dict[str, Any]:
+        """For impls on the ``vattn.compile``d model: the graphs Dynamo has made so far (1 when
+        nothing recompiled) and whether calls still skip Dynamo's guards (``DirectDispatch``)."""
+        compiled = self.runners.get("vattn-compile", {}).get("forward_fn")
+        if impl == "vattn-eager" or not hasattr(compiled, "backend"):
+            return {}
+        direct = getattr(compiled, "_direct", None)
+        return {"dynamo_graphs": compiled.backend.counter.num_graphs_seen,
+                "direct_dispatch": direct is not None and not direct.disabled and direct.fn is not None}
 
 
 def graph_mode(r: dict[str, Any]) -> str | None:
@@ -683,7 +731,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> None:
     """The rows, then the targets, as markdown tables on stdout."""
     table = common.Table(["impl", "batch", "context", "ms_per_step", "tok_s", "floor_ms", "x_floor",
-                          "speedup_vs_hf_static", "graph_mode", "skipped", "error"], title="e2e decode")
+                          "speedup_vs_hf_static", "graph_mode", "host_ms", "syncs_per_step", "skipped", "error"],
+                         title="e2e decode")
     table.extend(rows)
     table.print()
     tt = common.Table(["target", "issue", "basis", "value", "goal", "met", "rows"], title="targets")

@@ -108,3 +108,27 @@ def test_bench_e2e_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
                           "--time-budget-s", "0.5", "--no-plot"])
     assert [r["impl"] for r in out["rows"]] == ["vattn-eager", "hf-eager"]
     assert all("time budget" in r["skipped"] for r in out["rows"])
+
+
+def test_decode_loop_counts_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DecodeLoop's sync probe counts the warnings of torch.cuda.set_sync_debug_mode("warn") per
+    step, by site, and turns the debug mode off again (CUDA itself stubbed)."""
+    import warnings
+
+    from benchmarks import bench_e2e
+
+    modes: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    class Loop:
+        def step(self) -> torch.Tensor:
+            assert modes[-1] == "warn"
+            warnings.warn("called a synchronizing CUDA operation")
+            warnings.warn("an unrelated warning")
+            return torch.zeros(2, dtype=torch.long)
+
+    out: list[torch.Tensor] = []
+    res = bench_e2e.DecodeLoop._count_syncs(Loop(), out, 2)  # type: ignore[arg-type]
+    assert modes == ["warn", "default"] and len(out) == 2
+    assert res["syncs_per_step"] == 1.0
+    assert "test_generate.py" in res["sync_sites"] and "synchronizing" in res["sync_sites"]
