@@ -582,7 +582,6 @@ class VattnImpls:
             loop["tokens_agree_with_eager"] = float((ref == tokens.cpu()).float().mean())
         return {**figures, "setup_s": setup_s}, loop
 
-
     def _compile_state(self, impl: str) -> dict[str, Any]:
         """For impls on the ``vattn.compile``d model: the graphs Dynamo has made so far (1 when
         nothing recompiled) and whether calls still skip Dynamo's guards (``DirectDispatch``)."""
