@@ -28,6 +28,10 @@ compiled impls ``dynamo_graphs`` (1 unless something recompiled) and ``direct_di
 (whether calls still skip Dynamo's guards).
 transformers step times are ``(t(generate N+1 tokens) - t(generate 1 token)) / N``,
 medians over repeats (one reused, reset ``StaticCache`` per shape). All greedy, same weights.
+The rows do not compare tokens across impls: with random bf16 weights the top logits are
+near-ties that reduction order flips, and one flip changes the rest of a sequence (so an
+earlier ``tokens_agree_with_eager`` column read about 0 for every impl). Correctness is
+``tests/test_model_parity.py``'s (transformers parity, graph replay equals eager).
 
 The floor of a step (``floor_ms``): (bytes of weights read + bytes of KV read at the row's mean
 sequence length) / the copy bandwidth ``benchmarks/roofline.py`` measures in the same run
@@ -75,7 +79,7 @@ import torch  # noqa: E402
 
 import vattn  # noqa: E402
 from benchmarks import common, roofline  # noqa: E402
-from examples.engine import Engine, SamplingParams  # noqa: E402
+from examples.engine import Engine, SamplingParams, greedy  # noqa: E402
 from examples.generate import compile_model  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, get_preset, init_random_weights  # noqa: E402
 
@@ -221,7 +225,7 @@ class DecodeLoop:
         else:
             with vattn.set_forward_context(e.kv.build_metadata(common), e.cfg):
                 hidden = self.forward_fn(self.tokens, self.pos)
-        self.tokens = e.model.compute_logits(hidden).argmax(dim=-1)
+        self.tokens = greedy(e.model.compute_logits(hidden))
         self.pos, self.pos_cpu = self.pos + 1, self.pos_cpu + 1
         return self.tokens
 
@@ -513,7 +517,6 @@ class VattnImpls:
         self.max_model_len, self.report = max_model_len, report
         self.runners: dict[str, dict[str, Any]] = {}
         self.failed: dict[str, str] = {}
-        self.loop_tokens: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def _decode(self, r: dict[str, Any], batch: int, context: int, new_tokens: int) -> tuple[dict[str, Any], Engine]:
         a = self.args
@@ -567,7 +570,7 @@ class VattnImpls:
                 figures["graph_mode"] = graph_mode(r)
             if self.args.no_loop:
                 return {**figures, "setup_s": setup_s}, None
-            loop, tokens = DecodeLoop(engine, r, self.args.new_tokens + 4).run()
+            loop, _ = DecodeLoop(engine, r, self.args.new_tokens + 4).run()
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:
@@ -576,10 +579,6 @@ class VattnImpls:
         if "graph_runner" in r:
             loop["graph_mode"] = graph_mode(r)
         loop.update(self._compile_state(impl))
-        self.loop_tokens[(impl, batch, context)] = tokens.cpu()
-        ref = self.loop_tokens.get(("vattn-eager", batch, context))
-        if ref is not None and impl != "vattn-eager":
-            loop["tokens_agree_with_eager"] = float((ref == tokens.cpu()).float().mean())
         return {**figures, "setup_s": setup_s}, loop
 
     def _compile_state(self, impl: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vattn  # noqa: E402
-from examples.engine import BlockAllocator, Engine, Request, SamplingParams, sample  # noqa: E402
+from examples.engine import BlockAllocator, Engine, Request, SamplingParams, greedy, sample  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -304,6 +304,21 @@ def test_sampling() -> None:
     # Per-row greedy where temperature == 0.
     temp[::2] = 0
     assert (sample(logits, temp, torch.ones(400), g)[::2] == 0).all()
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 1031, 700])
+def test_greedy_equals_argmax(vocab: int) -> None:
+    # Two passes (chunk maxima, then their argmax) give argmax's index: the first maximum on
+    # ties (the row's maximum repeated across chunks), NaN first, bf16 rows.
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[1, [5, vocab // 2, vocab - 1]] = 50.0  # ties in different chunks
+    logits[2, vocab - 1] = 60.0  # the maximum in the last chunk
+    logits[3, [vocab // 3, 7]] = float("nan")
+    logits[4] = 0.0  # every entry ties
+    for x in (logits, logits.bfloat16()):
+        assert torch.equal(greedy(x), x.argmax(dim=-1))
+    assert greedy(logits).tolist()[1:5] == [5, vocab - 1, 7, 0]
 
 
 def test_load_hf_state_dict_errors() -> None:
