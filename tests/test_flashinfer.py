@@ -129,6 +129,14 @@ def test_paged_layout_and_page_gather() -> None:
     gather_page_indices(table, indptr, out=out[:5])
     assert out.tolist() == [3, 4, 7, 8, 2, -1, -1]  # writes exactly indptr[-1] entries
     assert gather_page_indices(table, torch.zeros(3, dtype=torch.int32)).numel() == 0
+    # Random layouts, a block table that is a column slice of a wider one (not contiguous).
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randint(0, 1000, (9, 40), generator=g, dtype=torch.int32)
+    pages = torch.randint(0, 31, (7,), generator=g)
+    indptr = torch.zeros(8, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    want = [int(wide[r, j]) for r in range(7) for j in range(int(pages[r]))]
+    assert gather_page_indices(wide[:, :31], indptr).tolist() == want
 
 
 def _layers(cfg: VattnConfig, windows: list[int | None], caps: list[float | None]) -> list[str]:
