@@ -222,7 +222,6 @@ class FastLaunch:
         return entry.compiled
 
 
-
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[Any]]:
     """Record the ``FastLaunch`` launches made inside the block (for ``LaunchPlan.build``)."""
