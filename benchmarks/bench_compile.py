@@ -71,12 +71,12 @@ DEV = {"device": "cuda", "preset": "llama-3.2-1b"}
 def build(layers: int, backend: str | None, num_blocks: int, max_pos: int = 8192,
           compile_sizes: tuple[int, ...] = (),
           inductor_config: dict[str, Any] | None = None,
-          cache_dir: str | None = None) -> tuple[Any, Any, Any]:
+          cache_dir: str | None = None, one_token_gemv: bool = True) -> tuple[Any, Any, Any]:
     """The Llama-3.2-1B-shaped model with ``layers`` layers on CUDA (bf16), and its KV cache."""
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
                             compilation=vattn.CompilationConfig(compile_sizes=tuple(compile_sizes),
                                                                 inductor_compile_config=dict(inductor_config or {}),
-                                                                cache_dir=cache_dir))
+                                                                cache_dir=cache_dir, one_token_gemv=one_token_gemv))
     mc = get_preset(DEV["preset"], num_hidden_layers=layers, max_position_embeddings=max_pos)
     dtype = torch.bfloat16 if DEV["device"] == "cuda" else torch.float32
     old = torch.get_default_dtype()

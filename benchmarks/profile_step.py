@@ -46,8 +46,9 @@ from benchmarks import bench_compile, common  # noqa: E402
 BACKENDS = ("auto", "FLASHINFER-cudacore", "TRITON_ATTN", "FLASH_ATTN")
 
 
-def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows (one per batch size) and kernel tables for one backend."""
+def run_backend(name: str, args: argparse.Namespace, gemv: str = "on") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows (one per batch size) and kernel tables for one backend; ``gemv``: ``CompilationConfig.one_token_gemv``
+    on or off."""
     backend = None if name == "auto" else name.split("-")[0]
     if name.endswith("-cudacore"):
         os.environ["VATTN_FLASHINFER_DECODE_TENSOR_CORES"] = "0"
@@ -57,7 +58,8 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
     model, cfg, kv = bench_compile.build(args.layers, backend, num_blocks=max(args.batches) * per + 8,
                                          max_pos=max(8192, args.context + 16),
                                          compile_sizes=common.token_counts(args.compile_sizes),
-                                         inductor_config=json.loads(args.inductor_config))
+                                         inductor_config=json.loads(args.inductor_config), one_token_gemv=gemv == "on")
+    name = name if gemv == "on" else f"{name}+no-gemv"
     compiled = vattn.compile(model, cfg, dynamic=args.dynamic)
     runner = vattn.CUDAGraphRunner(compiled, cfg, kv, capture_sizes=tuple(args.batches),
                                    mode=vattn.CUDAGraphMode[args.mode], show_progress=False)
@@ -72,7 +74,7 @@ def run_backend(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any
 
         step()
         mode = runner.last_batch_descriptor.mode.name
-        row: dict[str, Any] = {"backend": name, "builder": chosen, "batch": b, "context": args.context,
+        row: dict[str, Any] = {"backend": name, "one_token_gemv": gemv == "on", "builder": chosen, "batch": b, "context": args.context,
                                "layers": args.layers, "dynamic": args.dynamic, "compile_sizes": args.compile_sizes,
                                "inductor_config": args.inductor_config, "mode": mode,
                                "step_ms": common.bench(step, warmup=25, rep=100)["median_ms"],
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
     p.add_argument("--inductor-config", default="{}",
                    help='CompilationConfig.inductor_compile_config as JSON, e.g. \'{"coordinate_descent_tuning": false}\'')
+    p.add_argument("--gemv", nargs="+", default=["on"], choices=["on", "off"],
+                   help="CompilationConfig.one_token_gemv variants to run per backend (e.g. on off: an A/B in one run)")
     p.add_argument("--top", type=int, default=30, help="kernels (and host functions) kept per table")
     p.add_argument("--mode", default="FULL_DECODE_ONLY", choices=[m.name for m in vattn.CUDAGraphMode],
                    help="the CUDAGraphRunner's mode (PIECEWISE: host-bound steps, see --host-profile)")
@@ -147,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"kernel_profiles": {}, "errors": []}
     t0 = time.perf_counter()
-    for name in common.progress(args.backends, desc="backends"):
+    for name, gemv in common.progress([(b, g) for b in args.backends for g in args.gemv], desc="backends"):
         try:
-            r, tables = run_backend(name, args)
+            r, tables = run_backend(name, args, gemv)
             rows += r
             summary["kernel_profiles"].update(tables)
         except Exception as e:  # keep the other backends' figures

@@ -103,6 +103,12 @@ class CompilationConfig:
             faster step than cuBLAS's (not on the 8B shape; the tuning varies run to run:
             measure, see the README). These compiles use coordinate-descent tuning unless
             ``inductor_compile_config`` says otherwise.
+        one_token_gemv: in code compiled for exactly 1 token on an sm_90+ GPU, run every
+            bias-free ``F.linear`` as vattn's Triton GEMV with programmatic dependent launch
+            (SwiGLU's ``silu(gate) * up`` fused into the down projection; see
+            ``vattn.compile_passes.one_token_gemv``) instead of Inductor's reductions, and
+            compile that code with Inductor's PDL on (``triton.enable_pdl``, unless
+            ``inductor_compile_config`` sets it).
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``.
         debug_dump_path: where passes dump graphs before/after, if set.
@@ -123,6 +129,7 @@ class CompilationConfig:
     passes: tuple[str, ...] = ("noop_elimination", "query_quant_fusion", "attn_quant_fusion", "defunctionalize")
     use_inductor: bool = True
     compile_sizes: tuple[int, ...] = ()
+    one_token_gemv: bool = True
     inductor_compile_config: dict[str, Any] = field(default_factory=dict, compare=False)
     debug_dump_path: str | None = None
     cache_dir: str | None = None

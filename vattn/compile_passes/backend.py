@@ -371,16 +371,33 @@ class VattnBackend:
         """Inductor code of ``piece`` for exactly ``num_tokens`` tokens, traced from the real ``args``."""
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"coordinate_descent_tuning": True, **self.config.compilation.inductor_compile_config,
-                   "post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
         start = time.perf_counter()
         graph = fx.GraphModule(piece, copy.deepcopy(piece.graph))  # Inductor edits what it compiles
+        defaults: dict[str, Any] = {"coordinate_descent_tuning": True}
+        if num_tokens == 1 and self.config.compilation.one_token_gemv and _on_sm90(args):
+            from vattn.compile_passes import one_token_gemv
+
+            logger.debug("vattn.compile: %d linear layers of the 1-token piece run vattn::gemv",
+                         one_token_gemv.rewrite(graph))
+            if hasattr(torch._inductor.config.triton, "enable_pdl"):
+                # Inductor's kernels then let the next kernel start early: a GEMV after a norm
+                # loads its weights while the norm runs.
+                defaults["triton.enable_pdl"] = True
+        patches = {**defaults, **self.config.compilation.inductor_compile_config,
+                   "post_grad_custom_post_pass": self.pass_manager, "triton.cudagraphs": False}
         with torch.no_grad():
             fn = compile_fx(graph, list(args), config_patches=patches)
         elapsed = time.perf_counter() - start
         _bump(self.counter, num_static_compiles=1, compile_seconds=elapsed)
         logger.info("vattn.compile: piece compiled for %d tokens (%.1fs)", num_tokens, elapsed)
         return fn
+
+
+def _on_sm90(args: Sequence[Any]) -> bool:
+    """Whether the piece's tensors live on an sm_90+ CUDA device (programmatic dependent launch)."""
+    devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+    return (len(devices) == 1 and (dev := devices.pop()).type == "cuda"
+            and torch.cuda.get_device_capability(dev)[0] >= 9)
 
 
 def _token_count_locator(example_inputs: Sequence[Any]) -> tuple[int, int | None] | None:

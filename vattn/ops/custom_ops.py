@@ -7,6 +7,7 @@ the real implementation. Mutating ops mutate a caller-allocated tensor and retur
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -247,3 +248,41 @@ register_op(
     mutates_args=["key_cache", "value_cache"],
     fake_impl=_reshape_and_cache_flash_fake,
 )
+
+
+# ---- one-token linear layers ----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device_index: int | None) -> bool:
+    """Whether the CUDA device supports programmatic dependent launch (sm_90+)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)); with ``silu_mul``, x is (T, 2K)
+    ``[gate | up]`` and enters as ``silu(gate) * up``.
+
+    One bf16/fp16 row on CUDA runs ``vattn.ops.triton_gemv.gemv`` (with programmatic
+    dependent launch on sm_90+); anything else ``F.linear``. The 1-token code of
+    ``vattn.compile`` calls it in place of the model's linear layers
+    (``CompilationConfig.one_token_gemv``).
+    """
+    k = weight.shape[1]
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.stride(1) == 1):
+        from vattn.ops.triton_gemv import gemv as triton_gemv
+
+        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+        triton_gemv(x, weight, out, silu_mul=silu_mul, pdl=_has_pdl(x.device.index))
+        return out
+    if silu_mul:
+        x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
+    return torch.nn.functional.linear(x, weight)
+
+
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+register_op("gemv", gemv, mutates_args=[], fake_impl=_gemv_fake)

@@ -204,8 +204,10 @@ def _unified_attention_kernel(
     USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
     FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # a PDL-launched next kernel may start (it waits for our output itself)
+        tl.extra.cuda.gdc_launch_dependents()
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -364,9 +366,11 @@ def _combine_splits_kernel(
     num_seqs, num_tokens, stride_ot, stride_oh, stride_od,
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
-    FP8_ROUND_FIX: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Merge split partials of one (token, head): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(cu_q_ptr + num_seqs):

@@ -366,6 +366,9 @@ def unified_attention(
     if config.maxnreg is not None and q.device.type == "cuda":
         launch["maxnreg"] = config.maxnreg
 
+    # sm_90+: let a kernel launched with programmatic dependent launch after attention (vattn's
+    # GEMV for the output projection) start early and load its weights while attention runs.
+    pdl = q.device.type == "cuda" and _capability(q.device.index) >= (9, 0)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
     _UNIFIED_ATTENTION[grid](
@@ -384,13 +387,13 @@ def unified_attention(
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
         FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, KV_SAME=k_strides == v_strides,
-        ONE_LOOP=config.one_loop, **launch,
+        ONE_LOOP=config.one_loop, LAUNCH_DEPENDENTS=pdl, **launch,
     )
     if splits > 1:
         _COMBINE_SPLITS[(num_tokens, num_q_heads)](
             out, partial_out, partial_lse, cu_seqlens_q, os_,
             num_seqs, num_tokens, *out.stride(),
             NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=hp, NUM_SPLITS=splits,
-            OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max, FP8_ROUND_FIX=round_fix,
+            OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max, FP8_ROUND_FIX=round_fix, LAUNCH_DEPENDENTS=pdl,
             num_warps=4,
         )

@@ -1,0 +1,192 @@
+"""vattn::gemv, its Triton kernel, and the 1-token rewrite of linear layers (one_token_gemv).
+
+CPU: the kernel under the Triton interpreter against a float32 reference, the op's
+fallback (opcheck), and the rewrite on a Dynamo graph (what it replaces, and that the
+rewritten graph computes the same). GPU: the kernel on the Llama-3.2-1B projections, with
+and without programmatic dependent launch, alone and as a dependent chain in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import vattn  # noqa: F401  (registers torch.ops.vattn)
+from vattn.compile_passes import one_token_gemv
+
+pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _load_kernel() -> ModuleType:
+    """``vattn.ops.triton_gemv``; on CPU with its kernel built for the interpreter."""
+    if HAS_CUDA:
+        return importlib.import_module("vattn.ops.triton_gemv")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mod = importlib.import_module("vattn.ops.triton_gemv")
+        if not isinstance(mod._gemv_kernel, InterpretedFunction):
+            mod = importlib.reload(mod)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mod
+
+
+triton_gemv = _load_kernel()
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    k = w.shape[1]
+    if silu_mul:  # the activation rounded to the input dtype, as an unfused model computes it
+        x = (F.silu(x[:, :k].float()) * x[:, k:].float()).to(x.dtype)
+    return x.float() @ w.float().T
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("n,k,block_n,block_k", [(24, 64, 4, 32), (37, 100, 8, 32), (5, 33, 2, 64)])
+def test_kernel_matches_float32(n: int, k: int, block_n: int, block_k: int, silu_mul: bool) -> None:
+    """Odd N and K (masked last program and last K block), several K steps, random inputs."""
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, 2 * k if silu_mul else k, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(DEV, torch.bfloat16)
+    out = torch.full((1, n + 3), 7.0, device=DEV, dtype=torch.bfloat16)  # 3 guard columns
+    triton_gemv.gemv(x, w, out[:, :n], silu_mul=silu_mul, block_n=block_n, block_k=block_k, num_warps=4)
+    ref = _reference(x, w, silu_mul)
+    torch.testing.assert_close(out[:, :n].float(), ref, atol=0.06 * ref.abs().max().item() / 8, rtol=1e-2)
+    assert torch.all(out[:, n:] == 7.0)  # nothing written past N
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_op_fallback_and_opcheck(silu_mul: bool) -> None:
+    """Off the GPU fast path (CPU, or more than one row) the op is F.linear (after SwiGLU)."""
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3):
+        x = torch.randn(rows, 32 if silu_mul else 16, generator=g)
+        w = torch.randn(8, 16, generator=g)
+        got = torch.ops.vattn.gemv(x, w, silu_mul)
+        x_in = F.silu(x[:, :16]) * x[:, 16:] if silu_mul else x
+        torch.testing.assert_close(got, F.linear(x_in, w))
+        opcheck(torch.ops.vattn.gemv.default, (x, w, silu_mul))
+
+
+class _Block(torch.nn.Module):
+    """A projection, a SwiGLU MLP, and a linear layer with a bias (left alone)."""
+
+    def __init__(self, d: int = 16, inner: int = 24) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(d, d, bias=False)
+        self.gate_up = torch.nn.Linear(d, 2 * inner, bias=False)
+        self.down = torch.nn.Linear(inner, d, bias=False)
+        self.head = torch.nn.Linear(d, 8, bias=True)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        gate, up = self.gate_up(h).split(self.inner, dim=-1)
+        h = h + self.down(F.silu(gate) * up)
+        return self.head(h)
+
+
+def _dynamo_graph(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """The graph Dynamo hands a backend for ``model(x)``, and its (real) inputs."""
+    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    return graphs[0]
+
+
+def test_rewrite_replaces_bias_free_linears_and_fuses_swiglu() -> None:
+    torch.manual_seed(0)
+    model, x = _Block().eval(), torch.randn(1, 16)
+    gm, inputs = _dynamo_graph(model, x)
+    want = model(x)
+    assert one_token_gemv.rewrite(gm) == 3  # proj, gate_up, down; not the biased head
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    assert [n.args[2] for n in calls] == [False, False, True]  # down reads the gate/up output itself
+    assert calls[2].args[0] is calls[1]
+    assert sum(n.target is torch._C._nn.linear for n in gm.graph.nodes) == 1
+    (got,) = gm(*inputs)
+    torch.testing.assert_close(got, want)
+
+
+def test_rewrite_leaves_a_split_that_is_not_two_halves() -> None:
+    """``silu(h[:, :8]) * h[:, 8:24]`` of a three-way split is not SwiGLU: the linear stays plain."""
+
+    class ThreeWay(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            a, b, _ = h.split(8, dim=-1)
+            return F.linear(F.silu(a) * b, self.w)
+
+    model, h = ThreeWay(), torch.randn(1, 24)
+    gm, _ = _dynamo_graph(model, h)
+    assert one_token_gemv.rewrite(gm) == 1
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    assert call.args[2] is False
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("name,n,k,silu_mul", [("qkv", 3072, 2048, False), ("o", 2048, 2048, False),
+                                                 ("gate_up", 16384, 2048, False), ("down", 2048, 8192, True)])
+def test_kernel_llama_shapes_cuda(name: str, n: int, k: int, silu_mul: bool, pdl: bool) -> None:
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(1, 2 * k if silu_mul else k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    triton_gemv.gemv(x, w, out, silu_mul=silu_mul, pdl=pdl)
+    torch.testing.assert_close(out.float(), _reference(x, w, silu_mul), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_pdl_chain_in_cuda_graph_matches_serial() -> None:
+    """Twelve dependent GEMVs with PDL, captured and replayed, give the serial launches' result
+    bit for bit (each reads the previous one's output: an early start must wait for it)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [(torch.randn(2048, 2048, device="cuda", generator=g) / 45).bfloat16() for _ in range(12)]
+    x0 = torch.randn(1, 2048, device="cuda", generator=g).bfloat16()
+    bufs = [torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(12)]
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+
+    def chain(use_pdl: bool) -> torch.Tensor:
+        x = x0
+        for w, b in zip(ws, bufs):
+            triton_gemv.gemv(x, w, b, pdl=use_pdl)
+            x = b
+        return x
+
+    want = chain(False).clone()
+    chain(pdl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(pdl)
+    for b in bufs:
+        b.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[-1], want)
