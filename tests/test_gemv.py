@@ -190,3 +190,11 @@ def test_pdl_chain_in_cuda_graph_matches_serial() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(bufs[-1], want)
+
+
+def test_pdl_supported_only_on_cuda_sm90() -> None:
+    from vattn.ops.triton_launch import pdl_supported
+
+    assert pdl_supported(torch.device("cpu")) is False
+    if HAS_CUDA:
+        assert pdl_supported(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)

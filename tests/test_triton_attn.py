@@ -392,6 +392,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
 from vattn.ops.triton_kv_store import _store_kv_kernel
+from vattn.ops.triton_gemv import _gemv_kernel
 
 def compile_(fn, types, consts, warps, stages):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -410,7 +411,7 @@ def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
              USE_WINDOW=feats, USE_SOFTCAP=feats, USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16",
              KV_FP8=kv != "bf16", OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0,
              V_CVT={"bf16": 0, "fp8e4nv": 1, "fp8e5": 2}[kv], KV_SAME=kv != "fp8e5",
-             ONE_LOOP=m == 16)
+             ONE_LOOP=m == 16, LAUNCH_DEPENDENTS=splits > 1)
     return compile_(_unified_attention_kernel, ptr, c, warps, 3)
 
 decode = attn(splits=16, feats=True)
@@ -424,12 +425,15 @@ assert "cvt.rn.f16x2.e5m2x2" in fp8_e5m2.asm["ptx"]
 assert "cp.async.wait_group 	2" in decode.asm["ptx"] or "cp.async.wait_group 2" in decode.asm["ptx"]
 compile_(_combine_splits_kernel, dict(out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
          cu_q_ptr="*i32", out_scale_ptr="*fp32"), dict(stride_od=1, NUM_Q_HEADS=32, HEAD_SIZE=128,
-         HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0), 4, 1)
+         HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0, LAUNCH_DEPENDENTS=True), 4, 1)
 compile_(_store_kv_kernel, {n: "*fp32" for n in _store_kv_kernel.arg_names if n.endswith("_ptr")}
          | dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*fp8e5", value_cache_ptr="*fp8e5",
                 slot_ptr="*i64"),
          dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_KV_HEADS=8, HEAD_SIZE=128,
               HEAD_PAD=128, BLOCK_H=8, PAGE_SIZE=16, FP8=True, FP8_MAX=57344.0, FP8_ROUND_FIX=0), 4, 1)
+gemv = compile_(_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"),
+                dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=True, USE_PDL=True), 8, 1)
+assert "griddepcontrol.wait" in gemv.asm["ptx"] and "griddepcontrol.launch_dependents" in decode.asm["ptx"]
 ttgir = prefill.asm["ttgir"]
 print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
 """

@@ -7,7 +7,6 @@ the real implementation. Mutating ops mutate a caller-allocated tensor and retur
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import torch
@@ -253,12 +252,6 @@ register_op(
 # ---- one-token linear layers ----------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _has_pdl(device_index: int | None) -> bool:
-    """Whether the CUDA device supports programmatic dependent launch (sm_90+)."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
     """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)); with ``silu_mul``, x is (T, 2K)
     ``[gate | up]`` and enters as ``silu(gate) * up``.
@@ -272,9 +265,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
     if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and weight.stride(1) == 1 and x.stride(1) == 1):
         from vattn.ops.triton_gemv import gemv as triton_gemv
+        from vattn.ops.triton_launch import pdl_supported
 
         out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-        triton_gemv(x, weight, out, silu_mul=silu_mul, pdl=_has_pdl(x.device.index))
+        triton_gemv(x, weight, out, silu_mul=silu_mul, pdl=pdl_supported(x.device))
         return out
     if silu_mul:
         x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]

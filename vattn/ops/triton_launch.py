@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import os
 import weakref
@@ -43,7 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["FastLaunch", "LaunchPlan", "next_power_of_2", "record_launches", "set_fast_launch"]
+__all__ = ["FastLaunch", "LaunchPlan", "next_power_of_2", "pdl_supported", "record_launches", "set_fast_launch"]
 
 #: Every FastLaunch made, so ``set_fast_launch`` can switch them all.
 _LAUNCHERS: "weakref.WeakSet[FastLaunch]" = weakref.WeakSet()
@@ -57,6 +58,23 @@ def set_fast_launch(enabled: bool) -> None:
     use the cache (the interpreter) stay off."""
     for launcher in _LAUNCHERS:
         launcher.enabled = enabled and launcher.supported
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (CUDA, sm_90+).
+
+    vattn's Triton kernels launched with it (``launch_pdl=True``) call ``gdc_wait()`` before
+    touching memory, so they may start while the previous kernel runs and only then wait
+    for it, and call ``gdc_launch_dependents()`` to let the next such kernel do the same.
+    """
+    if device.type != "cuda":
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_power_of_2(n: int) -> int:
