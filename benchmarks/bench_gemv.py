@@ -11,7 +11,7 @@ the chain's values are not meaningful (random weights, no norms).
 Columns: ``us_per_layer`` (the four GEMVs), ``tbps`` (weight bytes / time), ``frac_copy_bw``
 (of the copy bandwidth measured in the same run).
 
-Run on the GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_gemv.py``.
+Run on the GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_gemv.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ CONFIGS = {
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="shorter timing (the chain is the same)")
     args = p.parse_args(argv)
+    warmup, rep = (10, 50) if args.quick else (25, 200)
     if not torch.cuda.is_available():
         print("bench_gemv needs a CUDA GPU (run it on the device machine).", file=sys.stderr)
         return 2
@@ -96,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, cfg in CONFIGS.items():
         provs += [(f"triton/{name}", chain.triton(False, cfg)), (f"triton+pdl/{name}", chain.triton(True, cfg))]
     for prov, fn in common.progress(provs, "providers"):
-        us = 1e3 * common.bench_cuda_graph(fn, warmup=25, rep=200)["median_ms"] / args.layers
+        us = 1e3 * common.bench_cuda_graph(fn, warmup=warmup, rep=rep)["median_ms"] / args.layers
         tbps = nbytes / (us * 1e-6) / 1e12
         rows.append({"provider": prov, "us_per_layer": us, "tbps": tbps, **roof.fractions(tbps=tbps)})
     for prov, fn in provs[:3]:  # the first ones again: clock drift over the run
-        us = 1e3 * common.bench_cuda_graph(fn, warmup=25, rep=200)["median_ms"] / args.layers
+        us = 1e3 * common.bench_cuda_graph(fn, warmup=warmup, rep=rep)["median_ms"] / args.layers
         rows.append({"provider": prov + " (again)", "us_per_layer": us, "tbps": nbytes / (us * 1e-6) / 1e12})
     table = common.Table(["provider", "us_per_layer", "tbps", "frac_copy_bw"], title="batch-1 layer matmuls, dependent chain")
     table.extend(rows)

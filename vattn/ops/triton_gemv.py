@@ -7,7 +7,9 @@ them with programmatic dependent launch (PDL, sm_90+): launched with ``pdl=True`
 start while the kernel before it is still running, loads its first weight block (which no
 kernel writes), and only then waits (``gdc_wait``) for the previous kernel's output ``x``.
 It also lets the kernel after it start early (``gdc_launch_dependents``). Writes come
-after the wait, so the overlap cannot clobber buffers the previous kernel still reads.
+after the wait, so the overlap cannot clobber buffers the previous kernel still reads. The
+weight must not be written by the kernel right before the GEMV (in a model it never is: the
+kernel before is a norm, attention or another GEMV).
 
 | argument | shape | layout |
 | --- | --- | --- |

@@ -68,9 +68,9 @@ def _sm90(index: int) -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can use programmatic dependent launch (CUDA, sm_90+).
 
-    vattn's Triton kernels launched with it (``launch_pdl=True``) call ``gdc_wait()`` before
-    touching memory, so they may start while the previous kernel runs and only then wait
-    for it, and call ``gdc_launch_dependents()`` to let the next such kernel do the same.
+    A kernel launched with it (``launch_pdl=True``) may start while the previous kernel
+    runs; it must call ``gdc_wait()`` before reading anything that kernel may write and
+    before writing anything. ``gdc_launch_dependents()`` lets the next such kernel start.
     """
     if device.type != "cuda":
         return False
