@@ -21,6 +21,11 @@ The per-kernel table of each replay (name, launches per step, ms per step) is un
 
     PYTHONPATH=$PWD python benchmarks/profile_step.py                         # auto, FLASHINFER-cudacore, TRITON_ATTN, FLASH_ATTN
     PYTHONPATH=$PWD python benchmarks/profile_step.py --backends TRITON_ATTN --batches 1 --layers 2
+    PYTHONPATH=$PWD python benchmarks/profile_step.py --backends TRITON_ATTN --gemv on off     # one_token_gemv A/B
+
+In one process a second model times a little slower than the first (about 0.07 ms a step on
+an H100, at batch 64 too, where the variants do not differ): compare variants in separate
+processes or in both orders.
 
 Writes ``profile-<device>-<date>.json`` to $OUT (if set) or benchmarks/results/ after each backend.
 """
