@@ -8,15 +8,12 @@ and without programmatic dependent launch, alone and as a dependent chain in a C
 
 from __future__ import annotations
 
-import importlib
-import os
-from types import ModuleType
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import triton_modules
 import vattn  # noqa: F401  (registers torch.ops.vattn)
 from vattn.compile_passes import one_token_gemv
 
@@ -26,27 +23,7 @@ HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 
-def _load_kernel() -> ModuleType:
-    """``vattn.ops.triton_gemv``; on CPU with its kernel built for the interpreter."""
-    if HAS_CUDA:
-        return importlib.import_module("vattn.ops.triton_gemv")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mod = importlib.import_module("vattn.ops.triton_gemv")
-        if not isinstance(mod._gemv_kernel, InterpretedFunction):
-            mod = importlib.reload(mod)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mod
-
-
-triton_gemv = _load_kernel()
+triton_gemv = triton_modules.load(["vattn.ops.triton_gemv"])["vattn.ops.triton_gemv"]
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:

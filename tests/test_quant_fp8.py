@@ -9,8 +9,6 @@ argmax; the agreement rate is printed (``pytest -s``) and recorded as a test pro
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +17,7 @@ from typing import Iterator
 import pytest
 import torch
 
+import triton_modules
 import vattn
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8, QuantKey, quantize_fp8_native
 
@@ -131,25 +130,9 @@ _TRITON_MODS = ("vattn.ops.triton_fp8", "vattn.ops.triton_quant_fp8", "vattn.ops
 
 def _load_triton_quant() -> ModuleType:
     """The quant kernel's module; on CPU every vattn Triton module is (re)built for the Triton
-    interpreter, which ``triton.jit`` decides at definition (see tests/test_triton_attn.py)."""
+    interpreter (``triton_modules.load``)."""
     pytest.importorskip("triton")
-    if HAS_CUDA:
-        return importlib.import_module(_TRITON_MODS[1])
-    from triton.runtime.interpreter import InterpretedFunction
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mods = [importlib.import_module(n) for n in _TRITON_MODS]
-        kernels = (mods[1]._static_fp8_quant_kernel, mods[2]._unified_attention_kernel)
-        if not all(isinstance(k, InterpretedFunction) for k in kernels):
-            mods = [importlib.reload(m) for m in mods]
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mods[1]
+    return triton_modules.load(_TRITON_MODS)[_TRITON_MODS[1]]
 
 
 @pytest.mark.parametrize("fp8", FP8)

@@ -8,9 +8,7 @@ reference of tests/attn_harness.py.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
-from types import ModuleType
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from attn_harness import (
     check_cache_written,
     make_random_batch,
 )
+import triton_modules
 from vattn.backends.abstract import AttentionCGSupport, AttentionType
 from vattn.backends.utils import AttentionSpec, CommonAttentionMetadata, set_kv_cache_layout
 from vattn.config import CompilationConfig, VattnConfig
@@ -38,31 +37,7 @@ _OPS = ("vattn.ops.triton_fp8", "vattn.ops.triton_attention_kernels",
         "vattn.ops.triton_kv_store", "vattn.ops.triton_unified_attention")
 
 
-def _load_ops() -> dict[str, ModuleType]:
-    """Import the Triton op modules; on CPU with their kernels built for the interpreter.
-
-    ``triton.jit`` decides interpreter vs compiler when a kernel is defined (module import),
-    reading TRITON_INTERPRET; set it for the (re)import only, so other tests see no change.
-    """
-    if HAS_CUDA:
-        return {n: importlib.import_module(n) for n in _OPS}
-    from triton.runtime.interpreter import InterpretedFunction
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mods = {n: importlib.import_module(n) for n in _OPS}
-        if not isinstance(mods[_OPS[1]]._unified_attention_kernel, InterpretedFunction):
-            mods = {n: importlib.reload(mods[n]) for n in _OPS}  # imported earlier, compiled mode
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mods
-
-
-OPS = _load_ops()
+OPS = triton_modules.load(_OPS)
 tua = OPS["vattn.ops.triton_unified_attention"]
 UnifiedAttentionConfig = tua.UnifiedAttentionConfig
 triton_store_kv = OPS["vattn.ops.triton_kv_store"].triton_store_kv

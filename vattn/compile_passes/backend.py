@@ -394,10 +394,11 @@ class VattnBackend:
 
 
 def _on_sm90(args: Sequence[Any]) -> bool:
-    """Whether the piece's tensors live on an sm_90+ CUDA device (programmatic dependent launch)."""
+    """Whether the piece's tensors all live on one device with programmatic dependent launch."""
+    from vattn.ops.triton_launch import pdl_supported
+
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-    return (len(devices) == 1 and (dev := devices.pop()).type == "cuda"
-            and torch.cuda.get_device_capability(dev)[0] >= 9)
+    return len(devices) == 1 and pdl_supported(devices.pop())
 
 
 def _token_count_locator(example_inputs: Sequence[Any]) -> tuple[int, int | None] | None:
