@@ -11,6 +11,9 @@ the chain's values are not meaningful (random weights, no norms).
 Columns: ``us_per_layer`` (the four GEMVs), ``tbps`` (weight bytes / time), ``frac_copy_bw``
 (of the copy bandwidth measured in the same run).
 
+The ``lm_head`` rows time the batch-1 LM head (128256 x 2048, tied to the embedding) alone:
+cuBLAS (``F.linear``) against ``gemv`` with the tile configurations of ``LM_HEAD_CONFIGS``.
+
 Run on the GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_gemv.py [--quick]``.
 """
 
@@ -81,6 +84,30 @@ CONFIGS = {
 }
 
 
+LM_HEAD = (128256, 2048)
+LM_HEAD_CONFIGS = {"4x2048/8w": dict(block_n=4, block_k=2048, num_warps=8),
+                   "8x2048/8w": dict(block_n=8, block_k=2048, num_warps=8),
+                   "8x1024/4w": dict(block_n=8, block_k=1024, num_warps=4),
+                   "16x1024/8w": dict(block_n=16, block_k=1024, num_warps=8)}
+
+
+def lm_head_rows(warmup: int, rep: int, roof: Any) -> list[dict[str, Any]]:
+    """The batch-1 LM head alone: cuBLAS against ``gemv`` (see the module docstring)."""
+    n, k = LM_HEAD
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    provs: list[tuple[str, Callable[[], Any]]] = [("cublas", lambda: torch.mm(x, w.T, out=out))]
+    provs += [(f"triton/{name}", lambda cfg=cfg: gemv(x, w, out, **cfg)) for name, cfg in LM_HEAD_CONFIGS.items()]
+    rows = []
+    for prov, fn in provs + provs[:1]:
+        us = 1e3 * common.bench_cuda_graph(fn, warmup=warmup, rep=rep)["median_ms"]
+        tbps = n * k * 2 / (us * 1e-6) / 1e12
+        rows.append({"part": "lm_head", "provider": prov, "us": us, "tbps": tbps, **roof.fractions(tbps=tbps)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, default=16)
@@ -100,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     for prov, fn in common.progress(provs, "providers"):
         us = 1e3 * common.bench_cuda_graph(fn, warmup=warmup, rep=rep)["median_ms"] / args.layers
         tbps = nbytes / (us * 1e-6) / 1e12
-        rows.append({"provider": prov, "us_per_layer": us, "tbps": tbps, **roof.fractions(tbps=tbps)})
+        rows.append({"part": "chain", "provider": prov, "us_per_layer": us, "tbps": tbps, **roof.fractions(tbps=tbps)})
     for prov, fn in provs[:3]:  # the first ones again: clock drift over the run
         us = 1e3 * common.bench_cuda_graph(fn, warmup=warmup, rep=rep)["median_ms"] / args.layers
-        rows.append({"provider": prov + " (again)", "us_per_layer": us, "tbps": nbytes / (us * 1e-6) / 1e12})
-    table = common.Table(["provider", "us_per_layer", "tbps", "frac_copy_bw"], title="batch-1 layer matmuls, dependent chain")
+        rows.append({"part": "chain", "provider": prov + " (again)", "us_per_layer": us,
+                     "tbps": nbytes / (us * 1e-6) / 1e12})
+    rows += lm_head_rows(warmup, rep, roof)
+    table = common.Table(["part", "provider", "us_per_layer", "us", "tbps", "frac_copy_bw"],
+                         title="batch-1 matmuls: layer chain, LM head")
     table.extend(rows)
     print(table.to_markdown())
     print(common.write_results("gemv-chain", {"rows": rows, "summary": {"roofline": roof.to_dict(), "layers": args.layers}}))

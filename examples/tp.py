@@ -353,6 +353,10 @@ class ParallelLMHead(ShardedModule):
         self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            # one row on a GPU (a batch-1 decode step): vattn's Triton GEMV, which streams this
+            # weight closer to the copy bandwidth than cuBLAS does; anything else: F.linear
+            return torch.ops.vattn.gemv(hidden, self.weight, False)
         logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
         return logits[..., : self.rows.full] if self.tp.size > 1 else logits
 

@@ -298,8 +298,8 @@ def test_config_selection_is_static_and_fills_the_gpu() -> None:
     big = sel(num_tokens=64, num_seqs=64, max_seqlen_q=1, **kw)
     assert (big.block_m, big.num_splits) == (16, 1)  # 64 x 8 programs fill 132 SMs
     one = sel(num_tokens=1, num_seqs=1, max_seqlen_q=1, **kw)
-    assert one.num_splits == tua.MAX_SPLITS  # 1 x 8 programs: split KV 64 ways
-    assert sel(num_tokens=4, num_seqs=4, max_seqlen_q=1, **kw).num_splits == 16
+    assert one.num_splits == 32  # 1 x 8 programs: split KV 32 ways, about one program per SM
+    assert sel(num_tokens=4, num_seqs=4, max_seqlen_q=1, **kw).num_splits == 8
     capped = sel(num_tokens=200, num_seqs=1, max_seqlen_q=200, max_split_rows=256, **kw)
     assert capped.num_splits * 200 <= 256
     assert (big.tile_n, big.num_stages, big.one_loop, big.maxnreg) == (32, 3, True, None)
@@ -406,9 +406,12 @@ compile_(_store_kv_kernel, {n: "*fp32" for n in _store_kv_kernel.arg_names if n.
                 slot_ptr="*i64"),
          dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_KV_HEADS=8, HEAD_SIZE=128,
               HEAD_PAD=128, BLOCK_H=8, PAGE_SIZE=16, FP8=True, FP8_MAX=57344.0, FP8_ROUND_FIX=0), 4, 1)
-gemv = compile_(_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"),
-                dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=True, USE_PDL=True), 8, 1)
-assert "griddepcontrol.wait" in gemv.asm["ptx"] and "griddepcontrol.launch_dependents" in decode.asm["ptx"]
+gemv_ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", eps="fp32")
+gemv = compile_(_gemv_kernel, gemv_ptrs,
+                dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=True, RMS_NORM=False, RESIDUAL=True, USE_PDL=True), 8, 1)
+gemv_norm = compile_(_gemv_kernel, gemv_ptrs,
+                     dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=True, RESIDUAL=False, USE_PDL=True), 8, 1)
+assert "griddepcontrol.wait" in gemv.asm["ptx"] and "griddepcontrol.wait" in gemv_norm.asm["ptx"] and "griddepcontrol.launch_dependents" in decode.asm["ptx"]
 ttgir = prefill.asm["ttgir"]
 print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
 """

@@ -25,17 +25,22 @@ the replay went from 1.017 to 0.952 ms; the GEMVs alone gave about 0.03 ms of th
 
 from __future__ import annotations
 
+import logging
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["rewrite"]
 
+logger = logging.getLogger("vattn.compile_passes.one_token_gemv")
+
 _SILU = (F.silu, torch.ops.aten.silu.default)
 _MUL = (operator.mul, torch.mul)
+_ADD = (operator.add, torch.add)
 
 
 def _split_half(node: Any, index: int) -> fx.Node | None:
@@ -66,10 +71,123 @@ def _swiglu_input(x: Any) -> fx.Node | None:
     return h if h is not None and _split_half(up, 1) is h else None
 
 
+def _call(node: Any, functions: tuple[Any, ...] = (), method: str | None = None) -> bool:
+    """Whether ``node`` calls one of ``functions`` (call_function) or the method ``method``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in functions
+    return node.op == "call_method" and node.target == method
+
+
+def _value(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _pair(node: fx.Node, first: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+    """``(a, b)`` for a binary ``node(a, b)`` or ``node(b, a)`` where ``first(a)`` holds."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if first(a):
+        return a, b
+    if first(b):
+        return b, a
+    return None
+
+
+def _to_float32(node: Any) -> fx.Node | None:
+    """``h`` when ``node`` is ``h.float()`` or ``h.to(torch.float32)``."""
+    if _call(node, method="float") and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    if _call(node, method="to") and _arg(node, 1, "dtype") is torch.float32 and len(node.args) <= 2:
+        return node.args[0]
+    return None
+
+
+def _mean_square(node: Any) -> fx.Node | None:
+    """``xf`` when ``node`` is ``xf.pow(2).mean(-1, keepdim=True)`` (method or function forms)."""
+    if not _call(node, (torch.mean,), "mean") or node.kwargs.get("keepdim") is not True:
+        return None
+    dim = _arg(node, 1, "dim")
+    if dim not in (-1, [-1], (-1,)):
+        return None
+    sq = node.args[0]
+    if not (_call(sq, (torch.pow,), "pow") and _arg(sq, 1, "exponent") == 2):
+        return None
+    return sq.args[0]
+
+
+def _rms_norm_input(y: Any) -> tuple[fx.Node, fx.Node, float] | None:
+    """``(h, weight, eps)`` when ``y`` is the RMSNorm of ``transformers`` (and the example model)::
+
+        xf = h.float()  # or h.to(torch.float32)
+        y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+    with ``h`` and ``weight`` (K,) in one 16-bit dtype.
+    """
+    if not _call(y, _MUL):
+        return None
+    pair = _pair(y, lambda n: _call(n, method="to"))
+    if pair is None:
+        return None
+    cast, weight = pair
+    if len(cast.args) != 2 or cast.kwargs:
+        return None
+    normed, dtype = cast.args
+    if not _call(normed, _MUL):
+        return None
+    pair = _pair(normed, lambda n: _call(n, (torch.rsqrt,), "rsqrt"))
+    if pair is None:
+        return None
+    rsqrt, xf = pair
+    shifted = rsqrt.args[0] if len(rsqrt.args) == 1 else None
+    if not _call(shifted, _ADD):
+        return None
+    pair = _pair(shifted, lambda n: isinstance(n, fx.Node))
+    if pair is None or not isinstance(pair[1], float):
+        return None
+    mean, eps = pair
+    h = _to_float32(xf)
+    if h is None or _mean_square(mean) is not xf:
+        return None
+    h_val, w_val = _value(h), _value(weight)
+    if (h_val is None or w_val is None or h_val.dtype not in (torch.float16, torch.bfloat16)
+            or dtype is not h_val.dtype or w_val.dtype is not h_val.dtype or w_val.dim() != 1
+            or not statically_known_true(w_val.shape[0] == h_val.shape[-1])):
+        return None
+    return h, weight, eps
+
+
+def _residual_add(linear: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(add, r)`` when the only use of ``linear`` is ``linear + r`` (either order) with ``r``
+    of its shape and dtype (no broadcasting, no type promotion)."""
+    if len(linear.users) != 1:
+        return None
+    (add,) = linear.users
+    if not _call(add, _ADD):
+        return None
+    pair = _pair(add, lambda n: n is linear)
+    if pair is None or pair[1] is linear:
+        return None
+    r = pair[1]
+    out_val, r_val = _value(linear), _value(r)
+    if (out_val is None or r_val is None or r_val.dtype is not out_val.dtype or r_val.dim() != out_val.dim()
+            or not all(statically_known_true(a == b) for a, b in zip(r_val.shape, out_val.shape))):
+        return None
+    return add, r
+
+
 def rewrite(gm: fx.GraphModule) -> int:
     """Replace the bias-free ``F.linear`` calls of ``gm`` by ``vattn::gemv`` (in place,
-    recompiled); returns how many."""
-    count = 0
+    recompiled), fusing SwiGLU or RMSNorm into their input and a residual add into their
+    output; returns how many linear layers were replaced."""
+    count = fused = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch._C._nn.linear:
             continue
@@ -77,13 +195,27 @@ def rewrite(gm: fx.GraphModule) -> int:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         if bias is not None:
             continue
+        args: tuple[Any, ...] = (x, w, False, None, None, 0.0)
         h = _swiglu_input(x)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.vattn.gemv.default, (x, w, False) if h is None else (h, w, True))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        norm = None if h is not None else _rms_norm_input(x)
+        if h is not None:
+            args = (h, w, True, None, None, 0.0)
+        elif norm is not None:
+            args = (norm[0], w, False, None, norm[1], norm[2])
+        res = _residual_add(node)
+        anchor = node
+        if res is not None:  # insert at the add: the residual may be computed after the linear
+            anchor, args = res[0], (*args[:3], res[1], *args[4:])
+        with gm.graph.inserting_before(anchor):
+            new = gm.graph.call_function(torch.ops.vattn.gemv.default, args)
+        new.meta.update(anchor.meta)
+        anchor.replace_all_uses_with(new)
+        gm.graph.erase_node(anchor)
+        if anchor is not node:
+            gm.graph.erase_node(node)
         count += 1
-    if count:  # the SwiGLU nodes left unused are dropped by Inductor's dead-code elimination
+        fused += (h is not None) + (norm is not None) + (res is not None)
+    if count:  # the SwiGLU and norm nodes left unused are dropped by Inductor's dead-code elimination
         gm.recompile()
+        logger.debug("one_token_gemv: %d linear layers -> vattn::gemv, %d input/output fusions", count, fused)
     return count

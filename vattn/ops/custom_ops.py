@@ -252,30 +252,55 @@ register_op(
 # ---- one-token linear layers ----------------------------------------------------------
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)); with ``silu_mul``, x is (T, 2K)
-    ``[gate | up]`` and enters as ``silu(gate) * up``.
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    silu_mul: bool,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)), with the input and output
+    transforms of a decoder layer's projections:
+
+    * ``silu_mul``: x is (T, 2K) ``[gate | up]`` and enters as ``silu(gate) * up``;
+    * ``norm_weight`` (K,): x enters RMSNorm'd, ``norm_weight * (x.float() *
+      rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)`` (the example model's and
+      ``transformers``' RMSNorm);
+    * ``residual``: the result is ``x @ weight.T + residual`` (the projection in x's dtype,
+      then the add).
 
     One bf16/fp16 row on CUDA runs ``vattn.ops.triton_gemv.gemv`` (with programmatic
-    dependent launch on sm_90+); anything else ``F.linear``. The 1-token code of
+    dependent launch on sm_90+); anything else the same steps in torch. The 1-token code of
     ``vattn.compile`` calls it in place of the model's linear layers
     (``CompilationConfig.one_token_gemv``).
     """
-    k = weight.shape[1]
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.stride(1) == 1):
+    n, k = weight.shape
+    dt = x.dtype
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dt in (torch.float16, torch.bfloat16)
+            and weight.dtype == dt and weight.stride(1) == 1 and x.stride(1) == 1
+            and (residual is None or (residual.shape == (1, n) and residual.dtype == dt
+                                      and residual.is_contiguous()))
+            and (norm_weight is None or (norm_weight.shape == (k,) and norm_weight.dtype == dt
+                                         and norm_weight.stride(0) == 1 and not silu_mul))):
         from vattn.ops.triton_gemv import gemv as triton_gemv
         from vattn.ops.triton_launch import pdl_supported
 
-        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-        triton_gemv(x, weight, out, silu_mul=silu_mul, pdl=pdl_supported(x.device))
+        out = torch.empty(1, n, dtype=dt, device=x.device)
+        triton_gemv(x, weight, out, silu_mul=silu_mul, residual=residual, norm_weight=norm_weight, eps=eps,
+                    pdl=pdl_supported(x.device))
         return out
     if silu_mul:
         x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
-    return torch.nn.functional.linear(x, weight)
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    out = torch.nn.functional.linear(x, weight)
+    return out if residual is None else out + residual
 
 
-def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -366,9 +366,14 @@ def _combine_splits_kernel(
     num_seqs, num_tokens, stride_ot, stride_oh, stride_od,
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
-    FP8_ROUND_FIX: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    FP8_ROUND_FIX: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT: tl.constexpr = False,
 ):
-    """Merge split partials of one (token, head): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``."""
+    """Merge split partials of one (token, head): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``.
+
+    ``WAIT``: launched with programmatic dependent launch, wait for the attention kernel's
+    partials first."""
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)

@@ -41,10 +41,18 @@ __all__ = [
 
 MAX_SPLITS = 64
 """Most KV splits of one q block (a power of two)."""
-SPLIT_TARGET_PROGRAMS_PER_SM = 2
-"""Split KV until about this many programs per SM run (2 resident CTAs of a decode config)."""
+SPLIT_TARGET_PROGRAMS_PER_SM: float = 1
+"""Split KV until about this many programs per SM run. One: the Llama-3.2-1B decode step at
+batch 1 (8 KV heads, 32 splits instead of 64 at 2) took 0.916 against 0.934 ms at context 512
+and 0.971 against 0.981 ms at 4096 (H100, ``benchmarks/profile_step.py``): the combine reads
+half the partials, and a split still holds 16 - 128 keys."""
 SPLIT_SCRATCH_BYTES = 16 << 20
 """Budget of the split-KV partial-output scratch (fp32), bounding ``num_splits * num_tokens``."""
+
+COMBINE_PDL: bool = True
+"""Launch the split-KV combine with programmatic dependent launch (sm_90+): it is scheduled
+while attention runs and waits (``gdc_wait``) for the partials, so its launch overlaps the
+attention kernel (batch-1 step 0.916 -> 0.912 ms, H100)."""
 
 FP8_V_ASM: bool = True
 """Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
@@ -184,7 +192,7 @@ def select_unified_attention_config(
         num_stages = 3
     block_q = max(1, block_m // qpk)
     programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
-    target = SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
+    target = max(1, int(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms))
     num_splits = 1
     if 0 < programs < target:
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
@@ -395,5 +403,5 @@ def unified_attention(
             num_seqs, num_tokens, *out.stride(),
             NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=hp, NUM_SPLITS=splits,
             OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max, FP8_ROUND_FIX=round_fix, LAUNCH_DEPENDENTS=pdl,
-            num_warps=4,
+            WAIT=pdl and COMBINE_PDL, num_warps=4, launch_pdl=pdl and COMBINE_PDL,
         )
