@@ -63,6 +63,7 @@ import time
 _T0 = time.perf_counter()  # the time budget counts from process start, imports included
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -70,7 +71,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks`, `examples` and `vattn` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -178,12 +179,27 @@ def vattn_decode(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, run
             "prefill_tok_s": prefill_tok / prefill_s if prefill_s else 0.0}, engine
 
 
+def advance_inputs(block_table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's device inputs from the positions ``pos`` (B,) int64 of its new tokens:
+    (slot mapping (B,) int64, sequence lengths (B,) int32, the next step's positions)."""
+    slot = block_table[rows, pos // block_size].long() * block_size + pos % block_size
+    return slot, (pos + 1).int(), pos + 1
+
+
+@functools.cache
+def _advance_fn(device_type: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``advance_inputs``, on CUDA compiled into one kernel (eager it is eight), as vLLM's
+    ``advance_step`` does in one kernel between its multi-step decodes."""
+    return torch.compile(advance_inputs, fullgraph=True) if device_type == "cuda" else advance_inputs
+
+
 class DecodeLoop:
     """Steady-state decode of an engine's running requests with device-resident inputs.
 
     What a tuned engine does between scheduler events: positions, sequence lengths and slot
-    mapping advance by device ops, the sampled token feeds the next step on the device, and
-    nothing syncs until the end. The host only builds ``CommonAttentionMetadata`` and the
+    mapping advance on the device (``advance_inputs``, one compiled kernel on CUDA), the
+    sampled token feeds the next step on the device, and nothing syncs until the end. The host only builds ``CommonAttentionMetadata`` and the
     backend metadata (or the CUDA-graph runner pads and dispatches), so host work overlaps
     the GPU. Blocks for every step are allocated up front.
     """
@@ -208,25 +224,22 @@ class DecodeLoop:
         self.qsl_cpu = torch.arange(b + 1, dtype=torch.int32)
         self.qsl = self.qsl_cpu.to(dev)
 
-    def _common(self) -> vattn.CommonAttentionMetadata:
-        b = self.rows.shape[0]
-        slot = self.block_table[self.rows, self.pos // self.bs].long() * self.bs + self.pos % self.bs
+    def step(self) -> torch.Tensor:
+        e, b = self.engine, self.rows.shape[0]
+        slot, seq_lens, pos_next = _advance_fn(e.device.type)(self.block_table, self.rows, self.pos, self.bs)
         seq_cpu = self.pos_cpu + 1
-        return vattn.CommonAttentionMetadata(
-            query_start_loc=self.qsl, query_start_loc_cpu=self.qsl_cpu, seq_lens=(self.pos + 1).int(),
+        common = vattn.CommonAttentionMetadata(
+            query_start_loc=self.qsl, query_start_loc_cpu=self.qsl_cpu, seq_lens=seq_lens,
             seq_lens_cpu=seq_cpu, num_computed_tokens_cpu=self.pos_cpu, num_reqs=b, num_actual_tokens=b,
             max_query_len=1, block_table_tensor=self.block_table, slot_mapping=slot,
             max_seq_len=int(seq_cpu.max()))
-
-    def step(self) -> torch.Tensor:
-        e, common = self.engine, self._common()
         if self.graph_runner is not None:
             hidden = self.graph_runner(self.tokens, self.pos, common)
         else:
             with vattn.set_forward_context(e.kv.build_metadata(common), e.cfg):
                 hidden = self.forward_fn(self.tokens, self.pos)
         self.tokens = greedy(e.model.compute_logits(hidden))
-        self.pos, self.pos_cpu = self.pos + 1, self.pos_cpu + 1
+        self.pos, self.pos_cpu = pos_next, seq_cpu
         return self.tokens
 
     @torch.no_grad()
