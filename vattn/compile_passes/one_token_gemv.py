@@ -13,7 +13,13 @@ exactly one token (``compile_sizes``):
 
 * ``F.linear(x, w)`` without a bias becomes ``vattn::gemv(x, w, False)``;
 * ``F.linear(silu(h[..., :I]) * h[..., I:], w)`` with ``h.split(I, -1)`` into two halves
-  (SwiGLU) becomes ``vattn::gemv(h, w, True)``, which applies the activation as it reads.
+  (SwiGLU) becomes ``vattn::gemv(h, w, True)``, which applies the activation as it reads;
+* ``F.linear(rms_norm(h), w)`` with ``transformers``' RMSNorm (float32 mean square, cast
+  back, times the weight) becomes ``vattn::gemv(h, w, False, None, weight, eps)``;
+* ``F.linear(x, w) + r`` (either order, same shape and dtype) passes ``r`` as the residual.
+
+A decoder layer's norms and residual adds then need no kernels of their own: 132 instead of
+163 kernels in the batch-1 step of the 1B shape, replay 0.964 -> 0.932 ms (H100).
 
 ``vattn::gemv`` checks its inputs at run time and falls back to ``F.linear`` for anything
 but one bf16/fp16 row on CUDA, so the rewrite never changes what a graph computes.
