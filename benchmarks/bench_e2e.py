@@ -199,9 +199,10 @@ class DecodeLoop:
 
     What a tuned engine does between scheduler events: positions, sequence lengths and slot
     mapping advance on the device (``advance_inputs``, one compiled kernel on CUDA), the
-    sampled token feeds the next step on the device, and nothing syncs until the end. The host only builds ``CommonAttentionMetadata`` and the
-    backend metadata (or the CUDA-graph runner pads and dispatches), so host work overlaps
-    the GPU. Blocks for every step are allocated up front.
+    sampled token feeds the next step on the device, and nothing syncs until the end. The
+    host only builds ``CommonAttentionMetadata`` and the backend metadata (or the CUDA-graph
+    runner pads and dispatches), so host work overlaps the GPU. Blocks for every step are
+    allocated up front.
     """
 
     def __init__(self, engine: Engine, runner: dict[str, Any], steps: int) -> None:

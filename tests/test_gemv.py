@@ -154,20 +154,15 @@ def test_rewrite_replaces_bias_free_linears_and_fuses_swiglu() -> None:
     torch.testing.assert_close(got, want)
 
 
-class _Layer(torch.nn.Module):
+class _Layer(_Block):
     """A decoder layer's projections: the example model's RMSNorm -> proj -> residual add, then
     transformers' LlamaRMSNorm -> SwiGLU MLP -> residual add, and a biased head."""
 
     def __init__(self, d: int = 16, inner: int = 24) -> None:
-        super().__init__()
+        super().__init__(d, inner)
         from examples.model import RMSNorm
 
         self.norm1, self.norm2 = RMSNorm(d, 1e-5), _HFRMSNorm(d, 1e-6)
-        self.proj = torch.nn.Linear(d, d, bias=False)
-        self.gate_up = torch.nn.Linear(d, 2 * inner, bias=False)
-        self.down = torch.nn.Linear(inner, d, bias=False)
-        self.head = torch.nn.Linear(d, 8, bias=True)
-        self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.proj(self.norm1(x))

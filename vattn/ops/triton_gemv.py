@@ -113,11 +113,6 @@ def _gemv_kernel(
 _launch = FastLaunch(_gemv_kernel)
 
 
-def default_block_n(n: int, k: int, rms_norm: bool) -> int:
-    """Output features per program: 8 for an LM head (N >= 65536), else 4."""
-    return 8 if n >= 65536 else 4
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -157,7 +152,7 @@ def gemv(
         raise ValueError("gemv: silu_mul and norm_weight are exclusive (one input transform).")
     n, k = weight.shape
     if block_n is None:
-        block_n = default_block_n(n, k, norm_weight is not None)
+        block_n = 8 if n >= 65536 else 4
     if block_k is None:
         block_k = 4096 if k >= 8192 else 2048
     _launch[(triton.cdiv(n, block_n),)](
