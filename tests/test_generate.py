@@ -85,6 +85,7 @@ def test_bench_e2e_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
                           "--contexts", "16", "--new-tokens", "4", "--reps", "1",
                           "--impls", "vattn-eager,hf-eager,hf-static-compile"])
     (path,) = tmp_path.glob("e2e-*.json")
+    assert not out["summary"]["skipped"], out["summary"]["skipped"]  # a failed job says why here
     rows = {(r["impl"], r["batch"]) for r in out["rows"] if "ms_per_step" in r}
     assert {("vattn-eager", 1), ("vattn-eager/loop", 2), ("hf-eager", 2), ("hf-static-compile", 1)} <= rows
     assert all(r["x_floor"] > 0 and r["frac_copy_bw"] > 0 for r in out["rows"] if "ms_per_step" in r)
