@@ -105,7 +105,8 @@ class CompilationConfig:
             ``inductor_compile_config`` says otherwise.
         one_token_gemv: in code compiled for exactly 1 token on an sm_90+ GPU, run every
             bias-free ``F.linear`` as vattn's Triton GEMV with programmatic dependent launch
-            (SwiGLU's ``silu(gate) * up`` fused into the down projection; see
+            (SwiGLU's ``silu(gate) * up`` fused into the down projection, an RMSNorm before a
+            projection into its input, a residual add after it into its output; see
             ``vattn.compile_passes.one_token_gemv``) instead of Inductor's reductions, and
             compile that code with Inductor's PDL on (``triton.enable_pdl``, unless
             ``inductor_compile_config`` sets it).

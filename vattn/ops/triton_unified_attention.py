@@ -24,7 +24,7 @@ import triton.language as tl
 
 from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
 from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix
-from vattn.ops.triton_launch import FastLaunch, next_power_of_2
+from vattn.ops.triton_launch import FastLaunch, next_power_of_2, pdl_supported
 
 logger = logging.getLogger("vattn.ops.triton_unified_attention")
 
@@ -376,7 +376,7 @@ def unified_attention(
 
     # sm_90+: let a kernel launched with programmatic dependent launch after attention (vattn's
     # GEMV for the output projection) start early and load its weights while attention runs.
-    pdl = q.device.type == "cuda" and _capability(q.device.index) >= (9, 0)
+    pdl = pdl_supported(q.device)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
     _UNIFIED_ATTENTION[grid](
