@@ -330,15 +330,15 @@ def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
 def _fixed_signature(key_cache: torch.Tensor, value_cache: torch.Tensor,
                      others: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...] | None:
     """The launch-plan signature part of a layer's cache and scales (computed once per bound
-    cache): shapes, strides, dtypes; None when one of them is not 16-byte aligned."""
+    cache): shapes, strides, dtypes, devices; None when one of them is not 16-byte aligned."""
     ptrs = key_cache.data_ptr() | value_cache.data_ptr()
     for t in others:
         if t is not None:
             ptrs |= t.data_ptr()
     if ptrs & 15:
         return None
-    return (key_cache.shape, key_cache.stride(), key_cache.dtype, value_cache.stride(),
-            tuple(None if t is None else t.dtype for t in others))
+    return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device, value_cache.stride(),
+            tuple(None if t is None else (t.dtype, t.device) for t in others))
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
@@ -453,13 +453,16 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                         output_scale: torch.Tensor | None, fixed_sig: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """What makes two calls of one step launch the same way, besides their tensors: the
         impl's settings, the tensors' shapes, strides and dtypes (all 16-byte aligned), and
-        ``fixed_sig`` (``_fixed_signature`` of the layer's cache and scales).
-        None: no plan (a misaligned tensor, or the CPU)."""
-        if fixed_sig is None or not q.is_cuda:
+        ``fixed_sig`` (``_fixed_signature`` of the layer's cache and scales, with their device).
+        None: no plan (a misaligned tensor, or one not on CUDA: a plan passes bare addresses,
+        which Triton does not check)."""
+        if fixed_sig is None or not (q.is_cuda and o.is_cuda):
             return None
         ptrs = q.data_ptr() | o.data_ptr()
         for t in (k, v, output_scale):
             if t is not None:
+                if not t.is_cuda:
+                    return None
                 ptrs |= t.data_ptr()
         if ptrs & 15:
             return None
