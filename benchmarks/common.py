@@ -59,6 +59,11 @@ __all__ = [
 
 logger = logging.getLogger("vattn.benchmarks")
 
+# vattn.compile keeps Dynamo's trace in ~/.cache/vattn by default: benchmark processes trace
+# afresh, so no run depends on files a previous one left (bench_compile's cold start sets
+# the trace directory of each start itself).
+os.environ.setdefault("VATTN_DISABLE_COMPILE_CACHE", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 

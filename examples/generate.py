@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "e.g. 1 for batch-1 decode (Inductor fuses matrix-vector products); costs a compile per size")
     p.add_argument("--compile-cache-dir", default=None,
                    help="with --compile: save Dynamo's trace here and load it on later runs instead of tracing "
-                        "(CompilationConfig.cache_dir; Inductor's cache serves the kernels)")
+                        "(CompilationConfig.cache_dir; default ~/.cache/vattn/compile, none with "
+                        "VATTN_DISABLE_COMPILE_CACHE=1; Inductor's cache serves the kernels)")
     p.add_argument("--cudagraph", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun --nproc-per-node N)")
     p.add_argument("--symm-mem", action="store_true",

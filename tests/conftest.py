@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -16,6 +17,10 @@ def _has(mod: str) -> bool:
     except (ImportError, ValueError):
         return False
 
+
+# vattn.compile keeps Dynamo's trace in ~/.cache/vattn by default; tests compile fresh
+# (test_compile_cache.py sets the directory, or the variable, itself).
+os.environ["VATTN_DISABLE_COMPILE_CACHE"] = "1"
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_FLASHINFER = HAS_CUDA and _has("flashinfer")

@@ -91,6 +91,33 @@ def test_second_compile_loads_the_trace_and_runs_the_same_code(tmp_path, monkeyp
         assert torch.equal(got, want)
 
 
+def test_default_location_keeps_the_trace_unless_disabled(tmp_path, monkeypatch) -> None:
+    """``cache_dir`` None keeps the trace in ``$VATTN_CACHE_ROOT/compile`` (as vLLM's compile
+    cache), so a second start loads it; ``VATTN_DISABLE_COMPILE_CACHE=1`` keeps none."""
+    monkeypatch.setenv("VATTN_CACHE_ROOT", str(tmp_path / "root"))
+    monkeypatch.delenv("VATTN_DISABLE_COMPILE_CACHE")
+    model, cfg, kv = build(2, use_inductor=False)
+    first = vattn.compile(model, cfg)
+    saved = _steps(first, cfg, kv, n=2)
+    assert first.cache_dir == str(tmp_path / "root" / "compile") and not first.trace_loaded
+    assert [Path(first.trace_path)] == _files(tmp_path / "root" / "compile")
+    model, cfg, kv = build(2, use_inductor=False)
+    second = vattn.compile(model, cfg)
+    for got, want in zip(_steps(second, cfg, kv, n=2), saved):
+        assert torch.equal(got, want)
+    assert second.trace_loaded and second.trace_path == first.trace_path
+
+    monkeypatch.setenv("VATTN_DISABLE_COMPILE_CACHE", "1")
+    model, cfg, kv = build(2, use_inductor=False)
+    off = vattn.compile(model, cfg)
+    _steps(off, cfg, kv, n=1)
+    assert off.cache_dir is None and off.trace_path is None and not off.trace_loaded
+    model, cfg, kv = build(2, cache_dir=str(tmp_path / "mine"), use_inductor=False)  # set in code: kept
+    mine = vattn.compile(model, cfg)
+    _steps(mine, cfg, kv, n=1)
+    assert [Path(mine.trace_path)] == _files(tmp_path / "mine")
+
+
 def test_key_separates_configs_and_inputs(tmp_path) -> None:
     model, cfg, _ = build(2, cache_dir=str(tmp_path))
     ids, pos = torch.zeros(3, dtype=torch.long), torch.arange(3)

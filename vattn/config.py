@@ -117,7 +117,9 @@ class CompilationConfig:
             (one file per model, config and input signature) and from which a later start
             loads it instead of tracing again (``vattn.compile_passes.aot_cache``; torch
             2.10+). Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``) still serves the
-            kernels. None: trace on every start.
+            kernels. None (default): ``$VATTN_CACHE_ROOT/compile`` (``~/.cache/vattn/compile``),
+            or no trace kept when ``VATTN_DISABLE_COMPILE_CACHE=1``, as vLLM's compile cache
+            (``VLLM_CACHE_ROOT``, ``VLLM_DISABLE_COMPILE_CACHE``).
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE

@@ -11,6 +11,8 @@ environment at access time), so tests and users may change them at run time.
 | ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every CUDA-graph replay that inputs and metadata sit where the capture read them |
 | ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0`` / ``1``: FLASHINFER decode with the tensor-core (prefill) kernel or the CUDA-core decode kernel (default: the tensor-core kernel) |
 | ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: launch vattn's Triton kernels through Triton's own (slower) path instead of ``FastLaunch``'s cache (default ``1``) |
+| ``VATTN_CACHE_ROOT`` | where vattn keeps its caches (default ``$XDG_CACHE_HOME/vattn``, else ``~/.cache/vattn``) |
+| ``VATTN_DISABLE_COMPILE_CACHE`` | ``1``: ``vattn.compile`` keeps no Dynamo trace in ``$VATTN_CACHE_ROOT/compile`` (a ``CompilationConfig.cache_dir`` set in code still applies) |
 | ``VATTN_COMPILE_CHECK_GUARDS`` | ``1``: every call of a ``vattn.compile``d model goes through Dynamo's guards (default: once per call signature, see ``vattn.compile_passes.dispatch``) |
 | ``TRITON_INTERPRET`` | Triton's own flag, read here: ``1`` lets TRITON_ATTN run on CPU (the Triton interpreter) |
 | ``VATTN_Q_SCALE_CONSTANT`` etc. | divisors used by ``calc_kv_scales`` (defaults 200, 100, 100) |
@@ -32,6 +34,13 @@ def _flag(name: str, default: str = "0") -> Callable[[], bool]:
     return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
 
+def _cache_root() -> str:
+    root = os.environ.get("VATTN_CACHE_ROOT")
+    if root:
+        return os.path.expanduser(root)
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vattn")
+
+
 def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: int(os.environ.get(name, str(default)))
 
@@ -43,6 +52,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VATTN_CUDAGRAPH_DEBUG": _flag("VATTN_CUDAGRAPH_DEBUG"),
     "VATTN_FLASHINFER_DECODE_TENSOR_CORES": _flag("VATTN_FLASHINFER_DECODE_TENSOR_CORES", default="1"),
     "VATTN_TRITON_FAST_LAUNCH": _flag("VATTN_TRITON_FAST_LAUNCH", default="1"),
+    "VATTN_CACHE_ROOT": _cache_root,
+    "VATTN_DISABLE_COMPILE_CACHE": _flag("VATTN_DISABLE_COMPILE_CACHE"),
     "VATTN_COMPILE_CHECK_GUARDS": _flag("VATTN_COMPILE_CHECK_GUARDS"),
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET"),
     "VATTN_Q_SCALE_CONSTANT": _int("VATTN_Q_SCALE_CONSTANT", 200),
@@ -57,6 +68,8 @@ if __debug__:  # static names for type checkers
     VATTN_CUDAGRAPH_DEBUG: bool
     VATTN_FLASHINFER_DECODE_TENSOR_CORES: bool
     VATTN_TRITON_FAST_LAUNCH: bool
+    VATTN_CACHE_ROOT: str
+    VATTN_DISABLE_COMPILE_CACHE: bool
     VATTN_COMPILE_CHECK_GUARDS: bool
     TRITON_INTERPRET: bool
     VATTN_Q_SCALE_CONSTANT: int

@@ -60,6 +60,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -541,7 +542,13 @@ class VattnCompiledModel(nn.Module):
         compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
         object.__setattr__(self, "_compiled", compiled)  # not a registered submodule
         self._aot: Any = None  # the trace loaded from / saved to CompilationConfig.cache_dir
-        self._aot_pending = config.compilation.cache_dir is not None
+        #: Where Dynamo's trace is kept: ``CompilationConfig.cache_dir``, else the default
+        #: location (``$VATTN_CACHE_ROOT/compile``) unless ``VATTN_DISABLE_COMPILE_CACHE``; None: nowhere.
+        self.cache_dir = config.compilation.cache_dir
+        self._cache_dir_default = self.cache_dir is None
+        if self.cache_dir is None and not envs.VATTN_DISABLE_COMPILE_CACHE:
+            self.cache_dir = os.path.join(envs.VATTN_CACHE_ROOT, "compile")
+        self._aot_pending = self.cache_dir is not None
         self._aot_missed = False
         self.trace_path: str | None = None  # the stored trace's file, once the first call chose it
         self.trace_loaded = False  # whether the first call loaded it (else traced, and saved it)
@@ -588,7 +595,7 @@ class VattnCompiledModel(nn.Module):
                     return self._aot.fn(self.model, *args, **kwargs)
                 if not self._aot_missed:
                     self._aot_missed = True
-                    logger.warning(
+                    (logger.info if self._cache_dir_default else logger.warning)(
                         "vattn.compile: a call fails the guards of the stored trace (e.g. an input of "
                         "another dtype or rank); it runs through torch.compile, which traces it anew.")
             # Marks only for Dynamo's tracing: a stored trace's guards take a marked input
@@ -613,12 +620,13 @@ class VattnCompiledModel(nn.Module):
 
         why = aot_cache.aot_supported()
         if why is not None:
-            logger.warning("vattn.compile: CompilationConfig.cache_dir is ignored: %s.", why)
+            (logger.debug if self._cache_dir_default else logger.warning)(
+                "vattn.compile: CompilationConfig.cache_dir is ignored: %s.", why)
             return None
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         inputs = [(name, v, self._dynamic_dims(name, v)) for name, v in bound.items()]
         key = aot_cache.cache_key(self.model, self.config, dynamic=self.dynamic, inputs=inputs)
-        path = self.trace_path = aot_cache.path_for(self.config.compilation.cache_dir, self.model, key)
+        path = self.trace_path = aot_cache.path_for(self.cache_dir, self.model, key)
         fn = aot_cache.load(path, self.model, self.backend, self.trace_load_seconds)
         if fn is not None:
             self.trace_loaded = True
