@@ -28,8 +28,9 @@ run filled ("warm"), and with Dynamo's trace loaded from ``CompilationConfig.cac
 the cold run wrote ("warm_stored_trace"; ``--no-trace-cache`` leaves it out, and the cold run then
 traces without saving). Each start gets its own trace directory in place of the default one
 (``$VATTN_CACHE_ROOT/compile``), and "warm" keeps none (``VATTN_DISABLE_COMPILE_CACHE=1``): a
-second start with default settings is "warm_stored_trace". Capture seconds and graph-pool memory are reported separately; a start
-that loaded the trace also reports the steps of its load (``trace_read_s``, ``trace_deserialize_s``,
+second start with default settings is "warm_stored_trace" (``warm_default`` in the summary).
+Capture seconds and graph-pool memory are reported separately; a start that loaded the trace
+also reports the steps of its load (``trace_read_s``, ``trace_deserialize_s``,
 ``trace_backend_s``, all within ``compile_s``).
 
     PYTHONPATH=$PWD python benchmarks/bench_compile.py                   # both parts
