@@ -582,6 +582,33 @@ def test_cuda_graph_replay_equals_eager(size: int) -> None:
     assert_close(graph_out[: replay.num_actual_tokens], replay.reference(scale=128**-0.5), torch.bfloat16)
 
 
+class _DeviceTensor:
+    """Stands in for a tensor in ``_plan_signature`` (which reads only these attributes)."""
+
+    def __init__(self, is_cuda: bool, ptr: int = 1 << 20) -> None:
+        self.is_cuda, self.shape, self.dtype, self._ptr = is_cuda, (1, 4, 32), torch.bfloat16, ptr
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return (128, 32, 1)
+
+
+def test_launch_plans_only_for_aligned_cuda_tensors() -> None:
+    """A plan passes bare addresses, which Triton does not check: a tensor off CUDA (or
+    misaligned) in any role means no plan, so its call goes through the validated path."""
+    impl = TritonAttentionImpl(4, 32, 32**-0.5, 2)
+    t = _DeviceTensor
+    assert impl._plan_signature(t(True), t(True), t(True), t(True), None, ()) is not None
+    for i in range(4):  # q, k, v, output
+        args = [t(j != i) for j in range(4)]
+        assert impl._plan_signature(*args, None, ()) is None, i
+    assert impl._plan_signature(t(True), t(True), t(True), t(True), t(False), ()) is None  # output_scale
+    assert impl._plan_signature(t(True), t(True, 8), t(True), t(True), None, ()) is None  # misaligned
+    assert impl._plan_signature(t(True), t(True), t(True), t(True), None, None) is None  # cache not plannable
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv_dtype,shape", [("auto", "long_decode"), ("auto", "mixed"), ("auto", "wide_decode"),
                                              ("fp8", "mixed")])
