@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
@@ -227,6 +228,74 @@ def test_warmup_without_metadata_touches_nothing() -> None:
     assert (out == 0).all() and torch.equal(before, batch.kv_cache)
 
 
+# ---- the KV store fused into decode attention ---------------------------------------------------
+
+# Decode steps: a first token (no context), odd lengths, a block boundary, padding rows.
+DECODES = dict(context_lens=(0, 7, 30, 15, 33), query_lens=(1, 1, 1, 1, 1), num_pad_tokens=2)
+
+
+def _no_store_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the separate KV-store launch fail: the step must store inside attention."""
+    def store_kv(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a decode step launched the separate KV-store kernel")
+
+    monkeypatch.setattr(sys.modules["vattn.ops.kv_store"], "store_kv", store_kv)
+
+
+@pytest.mark.parametrize("kv_dtype,feature", [("auto", None), ("auto", "window"), ("auto", "softcap"),
+                                              ("auto", "alibi"), ("auto", "sinks"), ("fp8", None),
+                                              ("fp8_e5m2", "softcap")])
+def test_decode_stores_kv_inside_attention(kv_dtype: str, feature: str | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode configs write the new K/V from the attention kernel (bit-exact, nothing else
+    touched) and attend to each token's own key from registers."""
+    _no_store_kernel(monkeypatch)
+    features = dict(FEATURES[feature]) if feature else {}
+    if "sinks" in features:
+        features["sinks"] = features["sinks"].to(DEV)  # type: ignore[union-attr]
+    spec = BatchSpec(**DECODES, **SMALL, kv_cache_dtype=kv_dtype, k_scale=0.05, v_scale=0.02)
+    batch = make_random_batch(spec, seed=30)
+    assert _builder(batch).build(0, batch.common).config.one_loop
+    check(batch, factor=10.0 if kv_dtype != "auto" else 1.0, **features)
+
+
+def test_fused_store_matches_store_then_attend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused step and ``VATTN_TRITON_FUSED_KV_STORE=0`` (store kernel, then attention)
+    leave the same cache and agree on the output (bf16, GQA 3:1, split KV)."""
+    spec = BatchSpec(context_lens=(40, 3, 17, 0), query_lens=(1, 1, 1, 1), num_heads=6, num_kv_heads=2,
+                     head_size=32, block_size=8, dtype=torch.bfloat16, device=DEV, num_pad_tokens=1)
+    outs, caches = [], []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("VATTN_TRITON_FUSED_KV_STORE", fused)
+        batch = make_random_batch(spec, seed=31)
+        md = _builder(batch).build(0, batch.common)
+        md.config = dataclasses.replace(md.config, num_splits=4)
+        impl = TritonAttentionImpl(6, 32, 32**-0.5, 2)
+        out = torch.zeros_like(batch.query)
+        impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)
+        outs.append(out.float())
+        caches.append(batch.kv_cache)
+    assert torch.equal(caches[0], caches[1])
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    assert_close(outs[0][: batch.num_actual_tokens], batch.reference(scale=32**-0.5), torch.bfloat16)
+
+
+def test_fused_store_launcher_arguments() -> None:
+    batch = make_random_batch(BatchSpec(context_lens=(3,), query_lens=(1,), **SMALL), seed=32)
+    c = batch.common
+    kc, vc = batch.kv_cache.unbind(0)
+    kw = dict(cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens, block_table=c.block_table_tensor,
+              max_seqlen_q=1, max_seqlen_k=4, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="key, value and slot_mapping .* come together"):
+        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key, **kw)
+    with pytest.raises(ValueError, match=r"value must be \(T >= 1, Hk=2, D=32\)"):
+        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
+                              value=batch.value[:, :1], slot_mapping=c.slot_mapping, **kw)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
+                              value=batch.value, slot_mapping=c.slot_mapping.float(), **kw)
+
+
 # ---- split-KV and launch configs -------------------------------------------------------------
 
 
@@ -344,6 +413,7 @@ def test_persistent_buffers_emulate_graph_replay() -> None:
     out = torch.zeros_like(replay.query)
     impl.forward(replay.layer, replay.query, replay.key, replay.value, replay.kv_cache, captured, output=out)
     assert_close(out, replay.reference(scale=32**-0.5), torch.float32)
+    check_cache_written(replay)  # stored inside the decode config's attention kernel
     check_cache_untouched(before, replay.kv_cache, replay.common.slot_mapping)
 
 
@@ -376,20 +446,26 @@ def compile_(fn, types, consts, warps, stages):
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
-def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False):
+def attn(kv="bf16", q="bf16", out="bf16", m=16, splits=1, warps=4, feats=False, fuse=False):
     ptr = {n: "*fp32" for n in _unified_attention_kernel.arg_names if n.endswith("_ptr")}
     ptr.update(q_ptr="*" + q, k_ptr="*" + kv, v_ptr="*" + kv, out_ptr="*" + out, cu_q_ptr="*i32",
-               seqused_k_ptr="*i32", block_table_ptr="*i32", softmax_scale="fp32", softcap="fp32")
+               seqused_k_ptr="*i32", block_table_ptr="*i32", softmax_scale="fp32", softcap="fp32",
+               key_ptr="*bf16", value_ptr="*bf16", slot_ptr="*i64")
     c = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, NUM_Q_HEADS=32, QPK=4, HEAD_SIZE=128,
              HEAD_PAD=128, PAGE_SIZE=16, BLOCK_M=m, BLOCK_Q=m // 4, TILE_N=64, SPLIT_KV=splits > 1,
              COMPUTE_DTYPE=tl.bfloat16 if kv == "bf16" else tl.float16, DOT_FP32=False, CAUSAL=True,
              USE_WINDOW=feats, USE_SOFTCAP=feats, USE_ALIBI=feats, USE_SINKS=feats, Q_FP8=q != "bf16",
              KV_FP8=kv != "bf16", OUT_FP8=out != "bf16", FP8_OUT_MAX=448.0, FP8_ROUND_FIX=0,
              V_CVT={"bf16": 0, "fp8e4nv": 1, "fp8e5": 2}[kv], KV_SAME=kv != "fp8e5",
-             ONE_LOOP=m == 16, LAUNCH_DEPENDENTS=splits > 1)
+             ONE_LOOP=m == 16, LAUNCH_DEPENDENTS=splits > 1, FUSE_STORE=fuse,
+             KV_FP8_MAX=448.0 if kv == "fp8e4nv" else 57344.0, KV_ROUND_FIX=0, PDL_WAIT=fuse)
+    c.update(stride_nkd=1, stride_nvd=1)
     return compile_(_unified_attention_kernel, ptr, c, warps, 3)
 
 decode = attn(splits=16, feats=True)
+fused = attn(splits=16, fuse=True)  # the decode step's kernel: KV store fused, PDL
+fused_fp8 = attn(kv="fp8e4nv", splits=16, fuse=True, feats=True)
+assert "griddepcontrol.wait" in fused.asm["ptx"] and "griddepcontrol.wait" not in decode.asm["ptx"]
 prefill = attn(m=128, warps=8)
 fp8 = attn(kv="fp8e4nv", q="fp8e4nv", out="fp8e4nv", feats=True)
 fp8_e5m2 = attn(kv="fp8e5", m=16)
@@ -397,7 +473,8 @@ assert "LDS.U8" not in fp8.asm.get("sass", "") and "cvt.rn.f16x2.e4m3x2" in fp8.
 assert "cvt.rn.f16x2.e5m2x2" in fp8_e5m2.asm["ptx"]
 # The block table is prefetched a tile ahead, so the K/V copies stay in flight across
 # iterations (a ``cp.async.wait_group 0`` inside the loop would serialise them).
-assert "cp.async.wait_group 	2" in decode.asm["ptx"] or "cp.async.wait_group 2" in decode.asm["ptx"]
+for k in (decode, fused):
+    assert "cp.async.wait_group 	2" in k.asm["ptx"] or "cp.async.wait_group 2" in k.asm["ptx"]
 compile_(_combine_splits_kernel, dict(out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
          cu_q_ptr="*i32", out_scale_ptr="*fp32"), dict(stride_od=1, NUM_Q_HEADS=32, HEAD_SIZE=128,
          HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0, LAUNCH_DEPENDENTS=True), 4, 1)
@@ -644,7 +721,9 @@ def test_cuda_layers_of_a_step_repeat_the_first_layers_launches(kv_dtype: str, s
         md, outs, caches = step(True)
         plans = list(md.launch_plans.values())  # type: ignore[attr-defined]
         assert len(plans) == 1 and isinstance(plans[0], LaunchPlan)
-        assert len(plans[0].steps) == (3 if md.config.num_splits > 1 else 2)  # type: ignore[attr-defined]
+        # store (decode configs: inside attention), attention, split combine
+        cfg = md.config  # type: ignore[attr-defined]
+        assert len(plans[0].steps) == (not cfg.one_loop) + 1 + (cfg.num_splits > 1)  # type: ignore[attr-defined]
         _, want_outs, want_caches = step(False)
     finally:
         set_fast_launch(True)

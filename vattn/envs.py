@@ -11,6 +11,7 @@ environment at access time), so tests and users may change them at run time.
 | ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every CUDA-graph replay that inputs and metadata sit where the capture read them |
 | ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0`` / ``1``: FLASHINFER decode with the tensor-core (prefill) kernel or the CUDA-core decode kernel (default: the tensor-core kernel) |
 | ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: launch vattn's Triton kernels through Triton's own (slower) path instead of ``FastLaunch``'s cache (default ``1``) |
+| ``VATTN_TRITON_FUSED_KV_STORE`` | ``0``: TRITON_ATTN stores decode batches' new K/V with its own kernel before attention instead of inside the attention kernel (default ``1``) |
 | ``VATTN_CACHE_ROOT`` | where vattn keeps its caches (default ``$XDG_CACHE_HOME/vattn``, else ``~/.cache/vattn``) |
 | ``VATTN_DISABLE_COMPILE_CACHE`` | ``1``: ``vattn.compile`` keeps no Dynamo trace in ``$VATTN_CACHE_ROOT/compile`` (a ``CompilationConfig.cache_dir`` set in code still applies) |
 | ``VATTN_COMPILE_CHECK_GUARDS`` | ``1``: every call of a ``vattn.compile``d model goes through Dynamo's guards (default: once per call signature, see ``vattn.compile_passes.dispatch``) |
@@ -52,6 +53,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VATTN_CUDAGRAPH_DEBUG": _flag("VATTN_CUDAGRAPH_DEBUG"),
     "VATTN_FLASHINFER_DECODE_TENSOR_CORES": _flag("VATTN_FLASHINFER_DECODE_TENSOR_CORES", default="1"),
     "VATTN_TRITON_FAST_LAUNCH": _flag("VATTN_TRITON_FAST_LAUNCH", default="1"),
+    "VATTN_TRITON_FUSED_KV_STORE": _flag("VATTN_TRITON_FUSED_KV_STORE", default="1"),
     "VATTN_CACHE_ROOT": _cache_root,
     "VATTN_DISABLE_COMPILE_CACHE": _flag("VATTN_DISABLE_COMPILE_CACHE"),
     "VATTN_COMPILE_CHECK_GUARDS": _flag("VATTN_COMPILE_CHECK_GUARDS"),
@@ -68,6 +70,7 @@ if __debug__:  # static names for type checkers
     VATTN_CUDAGRAPH_DEBUG: bool
     VATTN_FLASHINFER_DECODE_TENSOR_CORES: bool
     VATTN_TRITON_FAST_LAUNCH: bool
+    VATTN_TRITON_FUSED_KV_STORE: bool
     VATTN_CACHE_ROOT: str
     VATTN_DISABLE_COMPILE_CACHE: bool
     VATTN_COMPILE_CHECK_GUARDS: bool

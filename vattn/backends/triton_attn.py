@@ -1,7 +1,9 @@
 """TRITON_ATTN: vattn's own Triton paged-attention kernels behind the backend interface.
 
 One launch of ``vattn.ops.triton_unified_attention.unified_attention`` serves a whole mixed
-batch (decodes and chunked prefills with cached context), preceded by ``store_kv``.
+batch (decodes and chunked prefills with cached context), preceded by ``store_kv``; decode
+batches (and CUDA graphs captured for them) store the new K/V inside the attention kernel
+(``VATTN_TRITON_FUSED_KV_STORE=0`` turns that off).
 
 | feature | support |
 | --- | --- |
@@ -475,10 +477,14 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 output: torch.Tensor, output_scale: torch.Tensor | None) -> None:
         """Store the new K/V, then attend (the validated, general path)."""
         store_kv, head_pad, unified_attention = _ops()
-        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+        config = md.config
+        store = self.kv_sharing_target_layer_name is None and key is not None and value is not None
+        # Decode configs store the new K/V inside the attention kernel (one launch less).
+        fuse = (store and config.one_loop and self.attn_type == AttentionType.DECODER
+                and envs.VATTN_TRITON_FUSED_KV_STORE)
+        if store and not fuse:
             store_kv(key, value, key_cache, value_cache, md.slot_mapping,
                      self.kv_cache_dtype, layer._k_scale, layer._v_scale)
-        config = md.config
         splits = config.num_splits
         if splits > 1 and md.partial_out is not None:
             # Static shape arithmetic: fewer splits when the scratch cannot hold these rows (more
@@ -502,4 +508,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             q_scale=layer._q_scale if query.dtype in _FP8 else None,
             k_scale=layer._k_scale, v_scale=layer._v_scale, output_scale=output_scale,
             config=config, partial_out=md.partial_out, partial_lse=md.partial_lse,
+            key=key if fuse else None, value=value if fuse else None,
+            slot_mapping=md.slot_mapping if fuse else None,
         )

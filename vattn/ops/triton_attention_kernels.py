@@ -22,6 +22,14 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
 * fp8 KV: tiles are cast to fp16 (exact for e4m3 / e5m2), the scales folded into the
   softmax scale and the output; on sm_89+ the value tile is converted with PTX
   ``cvt.rn.f16x2.e4m3x2`` before Triton's dot-layout load (``_fp8_to_f16``).
+* fused KV store (``FUSE_STORE``, decode configs): the kernel writes the step's new K/V
+  rows into the cache itself (split 0 of each q block, its KV head), and no program reads a
+  slot this launch writes: the cache loop stops at the context, and split 0 attends to the
+  step's keys from the ``key``/``value`` rows (a one-token query's own key from registers,
+  one online-softmax update; a longer one's in masked tiles). No store kernel runs first.
+* programmatic dependent launch (``PDL_WAIT``): launched with it, the kernel finds its
+  request and block-table row while the kernel before it finishes, then waits for it
+  (``gdc_wait``) before reading q or the new K/V.
 * split-KV (``SPLIT_KV``): each of the grid's ``num_programs(2)`` splits handles a slice of
   the block's KV tiles and writes a normalized partial output plus its log2-sum-exp;
   ``_combine_splits_kernel`` merges them. The split count is a run-time value, so one
@@ -34,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_fp8 import round_to_fp8_grid
+from vattn.ops.triton_fp8 import round_to_fp8_grid, to_cache_dtype
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -85,51 +93,69 @@ def _attend_tiles(
     j_lo, j_hi, seq_len,
     qk_scale2, softcap_in, softcap_out, window_left, window_right,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    n_first, row_shift, k_scale_ptr, v_scale_ptr,
     BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     TILE_N: tl.constexpr, PAGE_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
     V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
+    FROM_INPUT: tl.constexpr = False, CACHE_TY: tl.constexpr = None, KV_FP8: tl.constexpr = False,
+    KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
     ``V_CVT``: 0 casts the value tile with ``.to(COMPUTE_DTYPE)``; 1 / 2 convert an e4m3 /
     e5m2 tile to fp16 with ``_fp8_to_f16`` (GPU only). ``KV_SAME``: the key and value caches
-    share their strides (views of one tensor), so one offset tensor addresses both."""
+    share their strides (views of one tensor), so one offset tensor addresses both.
+
+    ``FROM_INPUT`` (needs ``MASK``): the keys are the step's new ones, read from the (T, Hk, D)
+    key / value rows (``k_head_ptr``/``v_head_ptr`` at the KV head, ``stride_ks``/``stride_vs``
+    the token strides): position ``n >= n_first`` is row ``n + row_shift``, converted as the
+    cache stores it (``CACHE_TY``, fp8 with ``k_scale_ptr``/``v_scale_ptr``)."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     offs_t = tl.arange(0, TILE_N)
-    # Block-table entries are prefetched one tile ahead into registers (a loop-carried value,
-    # plain loads): the K/V addresses of tile j then depend on no load of iteration j, so
-    # Triton's pipeliner can keep num_stages - 1 K/V tiles in flight. (Loaded in the same
-    # iteration, the entries go through cp.async too, and reading them back forces a
-    # wait_group 0 every iteration: no load then overlaps any compute.)
-    n_lim = tl.minimum(seq_len, j_hi * TILE_N)  # tokens this loop reads
-    nxt = j_lo * TILE_N + offs_t
-    # Unsigned: token -> (page, slot) is a shift and a mask for power-of-two page sizes.
-    blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
+    if not FROM_INPUT:
+        # Block-table entries are prefetched one tile ahead into registers (a loop-carried
+        # value, plain loads): the K/V addresses of tile j then depend on no load of iteration
+        # j, so Triton's pipeliner can keep num_stages - 1 K/V tiles in flight. (Loaded in the
+        # same iteration, the entries go through cp.async too, and reading them back forces a
+        # wait_group 0 every iteration: no load then overlaps any compute.)
+        n_lim = tl.minimum(seq_len, j_hi * TILE_N)  # tokens this loop reads
+        nxt = j_lo * TILE_N + offs_t
+        # Unsigned: token -> (page, slot) is a shift and a mask for power-of-two page sizes.
+        blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
     for j in range(j_lo, j_hi):
         offs_n = j * TILE_N + offs_t
-        blk = blk_next.to(tl.int64)
-        nxt = offs_n + TILE_N
-        blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
-        if MASK:
-            n_ok = offs_n < seq_len
+        if FROM_INPUT:
+            n_ok = (offs_n < seq_len) & (offs_n >= n_first)
             kv_mask = n_ok[:, None] & d_ok[None, :]
+            rows = (offs_n + row_shift).to(tl.int64)
+            k_off = (rows * stride_ks)[:, None] + offs_d[None, :] * stride_kd
+            v_off = (rows * stride_vs)[:, None] + offs_d[None, :] * stride_vd
         else:
-            kv_mask = d_ok[None, :]
-        in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
-        # K and V tiles (TILE_N, HEAD_PAD), contiguous along head_dim, in one layout: the
-        # block-table entries and (same strides, the usual case) the offsets serve both.
-        k_off = (blk * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :] * stride_kd
-        if KV_SAME:
-            v_off = k_off
-        else:
-            v_off = (blk * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :] * stride_vd
+            blk = blk_next.to(tl.int64)
+            nxt = offs_n + TILE_N
+            blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
+            if MASK:
+                n_ok = offs_n < seq_len
+                kv_mask = n_ok[:, None] & d_ok[None, :]
+            else:
+                kv_mask = d_ok[None, :]
+            in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
+            # K and V tiles (TILE_N, HEAD_PAD), contiguous along head_dim, in one layout: the
+            # block-table entries and (same strides, the usual case) the offsets serve both.
+            k_off = (blk * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :] * stride_kd
+            if KV_SAME:
+                v_off = k_off
+            else:
+                v_off = (blk * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :] * stride_vd
         if HEAD_PAD != HEAD_SIZE or MASK:
             k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_head_ptr + k_off)
+        if FROM_INPUT:
+            k = to_cache_dtype(k, k_scale_ptr, CACHE_TY, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
         # fp8 dequant (scale folded elsewhere; no-op otherwise). Unlike the value tile, the
         # key tile's reduction axis (head_dim) is the contiguous one, so Triton's cast after
         # its shared -> dot-layout load reads 8 bytes at a time: no _fp8_to_f16 needed.
@@ -173,6 +199,8 @@ def _attend_tiles(
             v = tl.load(v_head_ptr + v_off, mask=kv_mask, other=0.0)
         else:
             v = tl.load(v_head_ptr + v_off)
+        if FROM_INPUT:
+            v = to_cache_dtype(v, v_scale_ptr, CACHE_TY, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
         if V_CVT != 0:
             v = _fp8_to_f16(v.to(tl.uint8, bitcast=True), V_CVT == 2)
         else:
@@ -190,12 +218,14 @@ def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seqused_k_ptr, block_table_ptr,
     sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr,
+    key_ptr, value_ptr, slot_ptr,
     num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bt,
+    stride_nkt, stride_nkh, stride_nkd, stride_nvt, stride_nvh, stride_nvd,
     NUM_Q_HEADS: tl.constexpr, QPK: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
@@ -205,7 +235,13 @@ def _unified_attention_kernel(
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
     FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
     ONE_LOOP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    FUSE_STORE: tl.constexpr = False, KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
+    PDL_WAIT: tl.constexpr = False,
 ):
+    """``FUSE_STORE``: also write ``key``/``value`` (T, Hk, D) rows into the cache at
+    ``slot_ptr`` (< 0 skipped); queries then read their context from the cache and the
+    step's keys from ``key``/``value``. ``PDL_WAIT``: launched with programmatic dependent
+    launch; wait for the kernel before reading q or the new K/V."""
     if LAUNCH_DEPENDENTS:  # a PDL-launched next kernel may start (it waits for our output itself)
         tl.extra.cuda.gdc_launch_dependents()
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
@@ -229,6 +265,9 @@ def _unified_attention_kernel(
         return
     seq_len = tl.load(seqused_k_ptr + seq)
     ctx_len = seq_len - q_len
+    bt_row_ptr = block_table_ptr + seq * stride_bt
+    if PDL_WAIT:  # everything above is metadata; q and the new K/V come from the kernel before
+        tl.extra.cuda.gdc_wait()
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -237,6 +276,42 @@ def _unified_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * QPK) & (tok < q_len)
     d_ok = offs_d < HEAD_SIZE
     q_pos = ctx_len + tok
+
+    # Keys [0, kv_end) come from the cache. The fused store writes the step's K/V in this
+    # launch, so no program may read them back: its cache holds the context (kv_end =
+    # ctx_len), and the step's own keys come from key / value (a one-token query's from
+    # registers).
+    kv_end = seq_len
+    if FUSE_STORE:
+        offs_q = tl.arange(0, BLOCK_M)  # this q block's tokens: the first BLOCK_Q (<= BLOCK_M)
+        rows = (q_start + q_off + offs_q).to(tl.int64)
+        slots = tl.load(slot_ptr + rows, mask=(offs_q < BLOCK_Q) & (q_off + offs_q < q_len), other=-1).to(tl.int64)
+        slots = tl.where(split == 0, slots, -1)  # split 0 stores
+        st_ok = (slots >= 0)[:, None] & d_ok[None, :]
+        k_rows = tl.load(key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
+                         + offs_d[None, :] * stride_nkd, mask=st_ok, other=0.0)
+        v_rows = tl.load(value_ptr + rows[:, None] * stride_nvt + kv_head * stride_nvh
+                         + offs_d[None, :] * stride_nvd, mask=st_ok, other=0.0)
+        blk_s = slots // PAGE_SIZE
+        in_s = slots % PAGE_SIZE
+        tl.store(k_ptr + (blk_s * stride_kb + in_s * stride_ks + kv_head * stride_kh)[:, None]
+                 + offs_d[None, :] * stride_kd,
+                 to_cache_dtype(k_rows, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
+                 mask=st_ok)
+        tl.store(v_ptr + (blk_s * stride_vb + in_s * stride_vs + kv_head * stride_vh)[:, None]
+                 + offs_d[None, :] * stride_vd,
+                 to_cache_dtype(v_rows, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
+                 mask=st_ok)
+        kv_end = ctx_len
+        own = q_len == 1
+        own_row = q_start.to(tl.int64)
+        own_ok = tl.where(own, d_ok, False)
+        k_own = tl.load(key_ptr + own_row * stride_nkt + kv_head * stride_nkh + offs_d * stride_nkd,
+                        mask=own_ok, other=0.0)
+        v_own = tl.load(value_ptr + own_row * stride_nvt + kv_head * stride_nvh + offs_d * stride_nvd,
+                        mask=own_ok, other=0.0)
+        k_own = to_cache_dtype(k_own, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
+        v_own = to_cache_dtype(v_own, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
 
     tok_g = q_start + tok  # token row in q / out
     q_ptrs = (q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -279,6 +354,10 @@ def _unified_attention_kernel(
             kv_hi = tl.where(window_right >= 0, tl.minimum(kv_hi, q_last + window_right + 1), kv_hi)
             full_hi = tl.where(window_right >= 0,
                                tl.minimum(full_hi, q_first + window_right + 1), full_hi)
+    new_lo = tl.maximum(kv_lo, kv_end)  # the step's keys from key / value (FUSE_STORE)
+    new_hi = kv_hi
+    kv_hi = tl.minimum(kv_hi, kv_end)
+    full_hi = tl.minimum(full_hi, kv_end)
     t_lo = kv_lo // TILE_N
     t_hi = (kv_hi + TILE_N - 1) // TILE_N
     u_lo = (full_lo + TILE_N - 1) // TILE_N
@@ -303,41 +382,66 @@ def _unified_attention_kernel(
 
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
-    bt_row_ptr = block_table_ptr + seq * stride_bt
     if ONE_LOOP:
         # Decode configs: every tile through the masked path in one software pipeline. The
         # unmasked interior saves little when loads dominate, and a second loop for the
         # partial last tile would drain the pipeline and pay a full load latency again.
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-            s_lo, s_hi, seq_len,
+            s_lo, s_hi, kv_end,
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
     else:
         if USE_WINDOW:  # leading edge tiles (left window boundary)
             acc, m_i, l_i = _attend_tiles(
                 acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-                s_lo, tl.minimum(s_hi, u_lo), seq_len,
+                s_lo, tl.minimum(s_hi, u_lo), kv_end,
                 qk_scale2, softcap_in, softcap_out, window_left, window_right,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
                 BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
         acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-            tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), seq_len,
+            tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), kv_end,
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
         acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
-            tl.maximum(s_lo, u_hi), s_hi, seq_len,
+            tl.maximum(s_lo, u_hi), s_hi, kv_end,
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+
+    if FUSE_STORE:
+        # Split 0 (the one that stored them) attends to the step's keys: a longer query's in
+        # tiles of key / value rows, a one-token query's own key and value from registers.
+        j_new = new_lo // TILE_N
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, alibi2, key_ptr + kv_head * stride_nkh, value_ptr + kv_head * stride_nvh,
+            bt_row_ptr, j_new, tl.where(split == 0, tl.where(own, j_new, (new_hi + TILE_N - 1) // TILE_N), j_new),
+            seq_len, qk_scale2, softcap_in, softcap_out, window_left, window_right,
+            0, stride_nkt, stride_nkd, 0, stride_nvt, stride_nvd, kv_end, q_start - kv_end, k_scale_ptr, v_scale_ptr,
+            BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, False,
+            True, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
+        s_own = tl.reduce(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1, _SUM)
+        if USE_SOFTCAP:
+            s_own = softcap_out * (1.0 - 2.0 / (tl.exp2(s_own * softcap_in) + 1.0))
+        else:  # log2 units; ALiBi adds slope * 0 at the query's own position
+            s_own = s_own * qk_scale2
+        s_own = tl.where(split == 0, tl.where(own, s_own, float("-inf")), float("-inf"))
+        m_new = tl.maximum(m_i, s_own)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p_own = tl.exp2(s_own - m_sub)
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + p_own
+        acc = acc * alpha[:, None] + p_own[:, None] * v_own.to(tl.float32)[None, :]
+        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_DTYPES", "fp8_round_fix", "round_to_fp8_grid"]
+__all__ = ["FP8_DTYPES", "fp8_round_fix", "round_to_fp8_grid", "to_cache_dtype"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -35,3 +35,17 @@ def round_to_fp8_grid(x, MANT: tl.constexpr):
     y = x / quantum
     y = (y + 12582912.0) - 12582912.0  # round half to even via 1.5 * 2**23
     return y * quantum
+
+
+@triton.jit
+def to_cache_dtype(x, scale_ptr, cache_ty, FP8: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIX: tl.constexpr):
+    """New K or V values as a paged KV cache of element type ``cache_ty`` stores them: fp8
+    caches ``clamp(x / scale, -FP8_MAX, FP8_MAX)`` rounded to nearest (``ROUND_FIX``: the
+    interpreter's fix, see ``fp8_round_fix``), other caches ``x`` cast."""
+    if FP8:
+        y = x.to(tl.float32) / tl.load(scale_ptr)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        if ROUND_FIX:
+            y = round_to_fp8_grid(y, ROUND_FIX)
+        return y.to(cache_ty)
+    return x.to(cache_ty)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix, round_to_fp8_grid
+from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix, to_cache_dtype
 from vattn.ops.triton_launch import FastLaunch, next_power_of_2
 
 __all__ = ["triton_store_kv"]
@@ -45,20 +45,14 @@ def _store_kv_kernel(
                 mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask)
-    if FP8:
-        k = k.to(tl.float32) / tl.load(k_scale_ptr)
-        v = v.to(tl.float32) / tl.load(v_scale_ptr)
-        k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-        if FP8_ROUND_FIX:
-            k = round_to_fp8_grid(k, FP8_ROUND_FIX)
-            v = round_to_fp8_grid(v, FP8_ROUND_FIX)
     kc = (key_cache_ptr + blk * stride_kcb + off * stride_kcs
           + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd)
     vc = (value_cache_ptr + blk * stride_vcb + off * stride_vcs
           + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd)
-    tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, to_cache_dtype(k, k_scale_ptr, key_cache_ptr.dtype.element_ty, FP8, FP8_MAX, FP8_ROUND_FIX),
+             mask=mask)
+    tl.store(vc, to_cache_dtype(v, v_scale_ptr, value_cache_ptr.dtype.element_ty, FP8, FP8_MAX, FP8_ROUND_FIX),
+             mask=mask)
 
 
 _STORE_KV = FastLaunch(_store_kv_kernel)

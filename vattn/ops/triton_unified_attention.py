@@ -49,6 +49,11 @@ half the partials, and a split still holds 16 - 128 keys."""
 SPLIT_SCRATCH_BYTES = 16 << 20
 """Budget of the split-KV partial-output scratch (fp32), bounding ``num_splits * num_tokens``."""
 
+ATTENTION_PDL: bool = True
+"""Launch the attention kernel with programmatic dependent launch (sm_90+): it finds its
+request and block-table row while the kernel before it (RoPE, a projection) finishes,
+then waits for it before reading q and the new K/V."""
+
 COMBINE_PDL: bool = True
 """Launch the split-KV combine with programmatic dependent launch (sm_90+): it is scheduled
 while attention runs and waits (``gdc_wait``) for the partials, so its launch overlaps the
@@ -214,6 +219,28 @@ def _as_scale(x: torch.Tensor | float | None, name: str, device: torch.device) -
     return torch.full((), float(x), dtype=torch.float32, device=device)
 
 
+def _check_fused_store(key: torch.Tensor | None, value: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+                       q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Arguments of the fused KV store (``unified_attention``'s key / value / slot_mapping)."""
+    if key is None or value is None or slot_mapping is None:
+        raise ValueError(
+            "key, value and slot_mapping fuse the KV-cache store into attention and come together; got "
+            f"key={'a tensor' if key is not None else None}, value={'a tensor' if value is not None else None}, "
+            f"slot_mapping={'a tensor' if slot_mapping is not None else None}. Pass all three, or none and "
+            "store with vattn.ops.kv_store.store_kv first.")
+    _, _, hk, d = k_cache.shape
+    t = q.shape[0]
+    for name, x in (("key", key), ("value", value)):
+        if (x.dim() != 3 or x.shape[0] < t or x.shape[1:] != (hk, d) or x.dtype != key.dtype
+                or x.dtype not in _TL_DTYPES or x.device != q.device):
+            raise ValueError(
+                f"{name} must be (T >= {t}, Hk={hk}, D={d}), fp16 / bf16 / fp32 like key, on {q.device}; got "
+                f"{tuple(x.shape)} {x.dtype} on {x.device}.")
+    if not (slot_mapping.dim() == 1 and slot_mapping.shape[0] >= t and slot_mapping.dtype in (torch.int64, torch.int32)):
+        raise ValueError(
+            f"slot_mapping must be (T >= {t},) int64 (or int32), got {tuple(slot_mapping.shape)} {slot_mapping.dtype}.")
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -239,6 +266,9 @@ def unified_attention(
     num_splits: int | None = None,
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """Paged attention over a mixed batch, written into ``out`` (no host synchronization).
 
@@ -251,6 +281,17 @@ def unified_attention(
     | seqused_k | (B,) tokens of each request in the cache (context + new) | int32 |
     | block_table | (B, max_blocks) block ids of each request | int32 |
     | alibi_slopes, sinks | (H,) | float32 / any float |
+    | key, value | (T, Hk, D), optional: the step's new K/V, stored by the kernel | fp16 / bf16 / fp32 |
+    | slot_mapping | (T,) cache slot of each new token, < 0 = skip; with key / value | int64 (or int32) |
+
+    ``key``/``value``/``slot_mapping`` (all or none) fuse the KV-cache store into the kernel:
+    it writes what ``vattn.ops.kv_store.store_kv`` would (fp8 quantization included), and
+    since no program may read back a slot this launch writes, every query attends to the
+    cache for its context and to ``key``/``value`` (as the cache would hold them) for the
+    step's own tokens: the same result wherever ``slot_mapping`` puts each new token at its
+    position in ``block_table``, as it must. Meant for decode batches (a one-token query
+    takes its own key from registers); longer queries read their step's keys in a masked
+    loop, correct but slower than storing first.
 
     Query token ``i`` of request ``b`` sits at position ``seqused_k[b] - q_len_b + i``;
     ``causal`` hides later keys, ``window = (left, right)`` (-1 = unlimited; ``right`` is 0
@@ -366,6 +407,17 @@ def unified_attention(
     else:
         partial_out = partial_lse = dummy
 
+    fuse = key is not None or value is not None or slot_mapping is not None
+    if fuse:
+        _check_fused_store(key, value, slot_mapping, q, k_cache)
+        assert key is not None and value is not None and slot_mapping is not None
+        new_k, new_v, slots = key, value, slot_mapping
+        new_strides = (*key.stride(), *value.stride())
+    else:
+        new_k = new_v = slots = dummy
+        new_strides = (0,) * 6
+    kv_round_fix = fp8_round_fix(k_cache.dtype, k_cache.device) if kv_fp8 else 0
+
     v_cvt = 0
     if (kv_fp8 and FP8_V_ASM and compute == torch.float16 and q.device.type == "cuda"
             and _capability(q.device.index) >= (8, 9)):
@@ -384,9 +436,9 @@ def unified_attention(
         cu_seqlens_q, seqused_k, block_table,
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
-        qs, ks, vs, os_,
+        qs, ks, vs, os_, new_k, new_v, slots,
         num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
-        *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0),
+        *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0), *new_strides,
         NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, SPLIT_KV=splits > 1,
         COMPUTE_DTYPE=_TL_DTYPES[compute],
@@ -395,7 +447,9 @@ def unified_attention(
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
         FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, KV_SAME=k_strides == v_strides,
-        ONE_LOOP=config.one_loop, LAUNCH_DEPENDENTS=pdl, **launch,
+        ONE_LOOP=config.one_loop, LAUNCH_DEPENDENTS=pdl, FUSE_STORE=fuse,
+        KV_FP8_MAX=float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0, KV_ROUND_FIX=kv_round_fix,
+        PDL_WAIT=pdl and ATTENTION_PDL, launch_pdl=pdl and ATTENTION_PDL, **launch,
     )
     if splits > 1:
         _COMBINE_SPLITS[(num_tokens, num_q_heads)](
