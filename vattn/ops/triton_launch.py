@@ -23,7 +23,9 @@ so a kernel is never reused for arguments Triton would have compiled differently
 launches call the kernel's launcher directly, as ``CompiledKernel[grid](...)`` does, but
 without launch metadata or hooks when no launch hook is registered (Triton's hook chains
 are then empty; with a hook set, e.g. by a profiler, launches go through
-``CompiledKernel[grid]`` and call it). Triton's check that the kernel's global values did
+``CompiledKernel[grid]`` and call it). Kernels compiled for programmatic dependent launch
+(``launch_pdl=True``) are launched with it only while a CUDA graph is being captured: eagerly
+it costs the host more than it saves on the device. Triton's check that the kernel's global values did
 not change is skipped (vattn never rebinds the globals its kernels read). Under
 ``TRITON_INTERPRET=1`` (CPU) the wrapper is a plain pass-through.
 

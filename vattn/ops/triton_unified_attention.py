@@ -416,7 +416,6 @@ def unified_attention(
     else:
         new_k = new_v = slots = dummy
         new_strides = (0,) * 6
-    kv_round_fix = fp8_round_fix(k_cache.dtype, k_cache.device) if kv_fp8 else 0
 
     v_cvt = 0
     if (kv_fp8 and FP8_V_ASM and compute == torch.float16 and q.device.type == "cuda"
@@ -448,7 +447,8 @@ def unified_attention(
         Q_FP8=q_fp8, KV_FP8=kv_fp8, OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max,
         FP8_ROUND_FIX=round_fix, V_CVT=v_cvt, KV_SAME=k_strides == v_strides,
         ONE_LOOP=config.one_loop, LAUNCH_DEPENDENTS=pdl, FUSE_STORE=fuse,
-        KV_FP8_MAX=float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0, KV_ROUND_FIX=kv_round_fix,
+        KV_FP8_MAX=float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0,
+        KV_ROUND_FIX=fp8_round_fix(k_cache.dtype, k_cache.device),
         PDL_WAIT=pdl and ATTENTION_PDL, launch_pdl=pdl and ATTENTION_PDL, **launch,
     )
     if splits > 1:
