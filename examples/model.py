@@ -243,9 +243,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
         self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
-        half = head_dim // 2
-        self.register_buffer("swap_halves", torch.cat((torch.arange(half, head_dim), torch.arange(half))),
-                             persistent=False)
+        self.half = head_dim // 2
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each (T, 1, D) in ``dtype``: gathered once per step, shared by all layers
@@ -257,14 +255,15 @@ class RotaryEmbedding(nn.Module):
         """``x`` (T, heads, D) rotated with ``cos_sin`` (from ``cos_sin``).
 
         ``x * cos + rotate_half(x) * sin``, where rotate_half(x) = cat(-x2, x1) is written as the
-        halves swapped (``index_select`` with the permutation ``swap_halves``: index arithmetic,
-        no view of a strided tensor, valid for any token count) times sin with its first half
-        negated, so Inductor computes RoPE, the cos / sin gather and an fp8 quantization after
-        it in one kernel instead of materialising the ``cat``. Bitwise the same values as the
+        halves swapped (``roll`` by half the head: index arithmetic, no view of a strided
+        tensor, valid for any token count) times sin with its first half negated, so Inductor
+        computes RoPE, the cos / sin gather and an fp8 quantization after it in one kernel
+        instead of materialising the ``cat``, and ``vattn.compile``'s 1-token code computes it
+        in the QKV projection's epilogue (``one_token_gemv``). Bitwise the same values as the
         ``cat`` form.
         """
         cos, signed_sin = cos_sin
-        return x * cos + x.index_select(-1, self.swap_halves) * signed_sin
+        return x * cos + x.roll(self.half, -1) * signed_sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,6 +109,90 @@ def test_op_fallback_and_opcheck(silu_mul: bool) -> None:
             opcheck(torch.ops.vattn.gemv.default, (x, w, False, res, nw, 1e-5))
 
 
+def _rope_tables(d: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin), each (d,), for one random position: the example model's tables."""
+    angle = 40 * torch.rand(d // 2, generator=g)
+    cos, sin = angle.cos(), angle.sin()
+    return torch.cat((cos, cos)).to(dtype), torch.cat((-sin, sin)).to(dtype)
+
+
+def _rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cols: int) -> torch.Tensor:
+    """(1, N) projection -> its first ``cols`` outputs rotated head by head, in float32."""
+    d = cos.shape[-1]
+    out = y.float().clone()
+    heads = out[:, :cols].unflatten(-1, (-1, d))
+    out[:, :cols] = (heads * cos.float() + heads.roll(d // 2, -1) * sin.float()).flatten(1)
+    return out
+
+
+@pytest.mark.parametrize("d,heads,rotated,block_n", [(16, 5, 3, 4), (8, 3, 3, 2), (32, 4, 1, 8), (16, 2, 2, 16)])
+def test_kernel_rope_epilogue(d: int, heads: int, rotated: int, block_n: int) -> None:
+    """RoPE in the epilogue: the first ``rotated`` heads leave rotated, the others as
+    projected. float16 (which the interpreter rounds as the GPU does): bit for bit the
+    kernel's own unrotated output, rotated in float32 and rounded once; both dtypes: within
+    rounding of the float32 reference. Odd head counts, pairs across heads (block_n > d), a
+    norm on the input, several K blocks."""
+    g = torch.Generator().manual_seed(d * heads + block_n)
+    n, k = heads * d, 40
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (2 * torch.randn(1, k, generator=g)).to(DEV, dtype)
+        w = torch.randn(n, k, generator=g).to(DEV, dtype)
+        nw = (1 + torch.randn(k, generator=g) / 4).to(DEV, dtype)
+        cos, sin = (t.to(DEV) for t in _rope_tables(d, dtype, g))
+        plain = torch.empty(1, n, device=DEV, dtype=dtype)
+        triton_gemv.gemv(x, w, plain, norm_weight=nw, eps=1e-5, block_n=block_n, block_k=32, num_warps=4)
+        out = torch.full((1, n + 3), 7.0, device=DEV, dtype=dtype)
+        triton_gemv.gemv(x, w, out[:, :n], norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=sin,
+                         rope_cols=rotated * d, block_n=block_n, block_k=32, num_warps=4)
+        assert torch.all(out[:, n:] == 7.0)
+        assert torch.equal(out[:, rotated * d : n], plain[:, rotated * d :])  # not rotated: as projected
+        if dtype == torch.float16:
+            assert torch.equal(out[:, :n], _rope(plain, cos, sin, rotated * d).to(dtype))
+        ref = _rope(_reference(x, w, False, None, nw, 1e-5).to(dtype), cos, sin, rotated * d)
+        # two roundings (projection, rotation; the interpreter truncates bfloat16): a few units
+        # in the last place of the largest output
+        torch.testing.assert_close(out[:, :n].float(), ref, atol=ref.abs().max().item() / 32, rtol=1e-2)
+
+
+def test_kernel_rope_rejects_bad_arguments() -> None:
+    x, w, out = torch.randn(1, 8), torch.randn(32, 8), torch.empty(1, 32)
+    cos, sin = torch.ones(16), torch.zeros(16)
+    cases = [
+        (dict(rope_cos=cos, rope_cols=16), "together"),
+        (dict(rope_cols=16), "needs rope_cos"),
+        (dict(rope_cos=cos, rope_sin=sin, rope_cols=24), "multiples of the head size 16"),
+        (dict(rope_cos=cos, rope_sin=sin, rope_cols=48), "rope_cols <= 32"),
+        (dict(rope_cos=torch.ones(2, 16), rope_sin=sin, rope_cols=16), "one contiguous row"),
+        (dict(rope_cos=cos, rope_sin=sin, rope_cols=16, block_n=6), "block_n"),
+        (dict(rope_cos=cos, rope_sin=sin, rope_cols=16, residual=out), "exclusive"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            triton_gemv.gemv(x, w, out, **kwargs)
+
+
+def test_op_rope_fallback_and_opcheck() -> None:
+    """Off the fast path the op rotates in torch exactly as the example model does (bf16 ops,
+    each rounded), for any token count; bad RoPE arguments are refused by name."""
+    from examples.model import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    for rows in (1, 3):
+        x = torch.randn(rows, 24, generator=g).bfloat16()
+        w = torch.randn(5 * 16, 24, generator=g).bfloat16()
+        cos_sin = rope.cos_sin(torch.randint(0, 64, (rows,), generator=g), torch.bfloat16)
+        got = torch.ops.vattn.gemv(x, w, False, None, None, 0.0, *cos_sin, 3 * 16)
+        heads = F.linear(x, w).view(rows, 5, 16)
+        want = torch.cat((rope.apply(cos_sin, heads[:, :3]), heads[:, 3:]), dim=1).flatten(1)
+        assert torch.equal(got, want)
+        opcheck(torch.ops.vattn.gemv.default, (x, w, False, None, None, 0.0, *cos_sin, 3 * 16))
+    with pytest.raises(ValueError, match="rope_cols=24"):
+        torch.ops.vattn.gemv(x, w, False, None, None, 0.0, *cos_sin, 24)
+    with pytest.raises(ValueError, match="residual set"):
+        torch.ops.vattn.gemv(x, w, False, torch.zeros(rows, 80).bfloat16(), None, 0.0, *cos_sin, 32)
+
+
 class _Block(torch.nn.Module):
     """A projection, a SwiGLU MLP, and a linear layer with a bias (left alone)."""
 
@@ -343,3 +427,105 @@ def test_pdl_supported_only_on_cuda_sm90() -> None:
     assert pdl_supported(torch.device("cpu")) is False
     if HAS_CUDA:
         assert pdl_supported(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+class _QKVRope(torch.nn.Module):
+    """The example model's attention input: RMSNorm -> fused QKV projection -> RoPE of the
+    q and k heads (``RotaryEmbedding.apply``) -> q, k, v. ``variant`` breaks one condition
+    of the fusion: ``"reuse"`` also returns the unrotated heads, ``"overlap"`` takes v from
+    a rotated head, ``"float32_table"`` rotates with float32 cos / sin (type promotion)."""
+
+    def __init__(self, variant: str = "", heads: int = 4, kv_heads: int = 2, d: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        from examples.model import RMSNorm, RotaryEmbedding
+
+        self.variant, self.h, self.hk, self.d = variant, heads, kv_heads, d
+        self.norm = RMSNorm(hidden, 1e-5)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * d, bias=False)
+        self.rope = RotaryEmbedding(d, 64, 10000.0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dtype = torch.float32 if self.variant == "float32_table" else x.dtype
+        cos_sin = self.rope.cos_sin(positions, dtype)
+        h, hk = self.h, self.hk
+        qkv = self.qkv(self.norm(x)).view(x.shape[0], h + 2 * hk, self.d)
+        q, k = self.rope.apply(cos_sin, qkv[:, : h + hk]).split([h, hk], dim=1)
+        v = qkv[:, h + hk - (self.variant == "overlap") :]
+        if self.variant == "reuse":
+            return q, k, v, qkv[:, :h]
+        return q, k, v
+
+
+def test_rewrite_fuses_rope_into_the_qkv_projection() -> None:
+    """The projection takes cos, sin and the rotated width; the rotation's nodes are gone and
+    the graph gives the same q, k and v bit for bit (the op's torch path on CPU)."""
+    torch.manual_seed(0)
+    model = _QKVRope().to(torch.bfloat16).eval()
+    x, pos = torch.randn(1, 32, dtype=torch.bfloat16), torch.tensor([37])
+    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x, pos)
+    gm, inputs = graphs[0]
+    want = model(x, pos)
+    assert one_token_gemv.rewrite(gm) == 1
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    assert call.args[4] is not None and None not in call.args[6:8] and call.args[8] == (4 + 2) * 16  # q and k heads
+    gm.graph.eliminate_dead_code()
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "roll"]
+    got = gm(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["reuse", "overlap", "float32_table"])
+def test_rewrite_leaves_rope_it_cannot_fuse(variant: str) -> None:
+    """Unrotated heads read elsewhere, v overlapping the rotated heads, or a rotation that
+    promotes to float32: the projection becomes a plain gemv, the RoPE nodes stay, and the
+    graph computes the same."""
+    torch.manual_seed(0)
+    model = _QKVRope(variant).to(torch.bfloat16).eval()
+    x, pos = torch.randn(1, 32, dtype=torch.bfloat16), torch.tensor([5])
+    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x, pos)
+    gm, inputs = graphs[0]
+    want = model(x, pos)
+    assert one_token_gemv.rewrite(gm) == 1
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    assert len(call.args) == 6  # no RoPE arguments
+    got = gm(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kernel_rope_llama_qkv_cuda(pdl: bool) -> None:
+    """The Llama-3.2-1B QKV projection (32 q + 8 k heads rotated, 8 v heads not, head dim
+    64) with its RMSNorm and RoPE fused, against the projection rotated in float32 and
+    rounded once (Inductor's unfused RoPE): equal up to one rounding."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (4 * torch.randn(1, 2048, device="cuda", generator=g)).bfloat16()
+    w = (torch.randn(3072, 2048, device="cuda", generator=g) / 45).bfloat16()
+    nw = (1 + torch.randn(2048, device="cuda", generator=g) / 4).bfloat16()
+    cos, sin = (t.cuda() for t in _rope_tables(64, torch.bfloat16, torch.Generator().manual_seed(1)))
+    plain = torch.empty(1, 3072, device="cuda", dtype=torch.bfloat16)
+    triton_gemv.gemv(x, w, plain, norm_weight=nw, eps=1e-5, pdl=pdl)
+    out = torch.empty_like(plain)
+    triton_gemv.gemv(x, w, out, norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=sin, rope_cols=2560, pdl=pdl)
+    assert torch.equal(out[:, 2560:], plain[:, 2560:])
+    want = _rope(plain, cos, sin, 2560).bfloat16()
+    ulp = want.float().abs().clamp_min(1e-3) * 2**-7
+    assert torch.all((out.float() - want.float()).abs() <= ulp)
+    op = torch.ops.vattn.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), sin.view(1, 1, 64), 2560)
+    assert torch.equal(op, out)  # the op's fast path: the same kernel

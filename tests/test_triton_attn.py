@@ -483,12 +483,17 @@ compile_(_store_kv_kernel, {n: "*fp32" for n in _store_kv_kernel.arg_names if n.
                 slot_ptr="*i64"),
          dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_KV_HEADS=8, HEAD_SIZE=128,
               HEAD_PAD=128, BLOCK_H=8, PAGE_SIZE=16, FP8=True, FP8_MAX=57344.0, FP8_ROUND_FIX=0), 4, 1)
-gemv_ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", eps="fp32")
-gemv = compile_(_gemv_kernel, gemv_ptrs,
-                dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=True, RMS_NORM=False, RESIDUAL=True, USE_PDL=True), 8, 1)
-gemv_norm = compile_(_gemv_kernel, gemv_ptrs,
-                     dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=True, RESIDUAL=False, USE_PDL=True), 8, 1)
+gemv_ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", cos_ptr="*bf16",
+                 sin_ptr="*bf16", eps="fp32")
+gemv = compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=True, RMS_NORM=False, RESIDUAL=True,
+                                              ROPE_DIM=0, USE_PDL=True), 8, 1)
+gemv_norm = compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=True,
+                                                   RESIDUAL=False, ROPE_DIM=0, USE_PDL=True), 8, 1)
+gemv_rope = compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=True,
+                                                   RESIDUAL=False, ROPE_DIM=64, USE_PDL=True), 8, 1)
 assert "griddepcontrol.wait" in gemv.asm["ptx"] and "griddepcontrol.wait" in gemv_norm.asm["ptx"] and "griddepcontrol.launch_dependents" in decode.asm["ptx"]
+assert "griddepcontrol.launch_dependents" in gemv_norm.asm["ptx"]  # the next kernel may start early ...
+assert "griddepcontrol.launch_dependents" not in gemv_rope.asm["ptx"]  # ... but not attention after RoPE
 ttgir = prefill.asm["ttgir"]
 print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
 """

@@ -259,6 +259,9 @@ def gemv(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
 ) -> torch.Tensor:
     """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)), with the input and output
     transforms of a decoder layer's projections:
@@ -268,7 +271,11 @@ def gemv(
       rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)`` (the example model's and
       ``transformers``' RMSNorm);
     * ``residual``: the result is ``x @ weight.T + residual`` (the projection in x's dtype,
-      then the add).
+      then the add);
+    * ``rope_cos`` / ``rope_sin`` (broadcastable to (T, rope_cols // D, D), D their last
+      dim), ``rope_cols``: the first ``rope_cols`` outputs, viewed as heads of D, leave
+      rotated by neox-style RoPE, ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
+      rotate-half needs it: its first half ``-sin``); the rest as projected. Not with ``residual``.
 
     One bf16/fp16 row on CUDA runs ``vattn.ops.triton_gemv.gemv`` (with programmatic
     dependent launch on sm_90+); anything else the same steps in torch. The 1-token code of
@@ -277,18 +284,27 @@ def gemv(
     """
     n, k = weight.shape
     dt = x.dtype
+    rope = rope_cos is not None
+    if rope and (rope_sin is None or residual is not None or not 0 < rope_cols <= n
+                 or rope_cols % rope_cos.shape[-1] or n % rope_cos.shape[-1] or rope_cos.shape[-1] % 2):
+        raise ValueError(
+            f"vattn::gemv: RoPE needs rope_cos and rope_sin of one even head size D, 0 < rope_cols <= N with "
+            f"rope_cols and N multiples of D, and no residual; got rope_sin {'None' if rope_sin is None else 'set'}, "
+            f"D={rope_cos.shape[-1]}, rope_cols={rope_cols}, N={n}, residual {'set' if residual is not None else 'None'}.")
     if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dt in (torch.float16, torch.bfloat16)
             and weight.dtype == dt and weight.stride(1) == 1 and x.stride(1) == 1
             and (residual is None or (residual.shape == (1, n) and residual.dtype == dt
                                       and residual.is_contiguous()))
             and (norm_weight is None or (norm_weight.shape == (k,) and norm_weight.dtype == dt
-                                         and norm_weight.stride(0) == 1 and not silu_mul))):
+                                         and norm_weight.stride(0) == 1 and not silu_mul))
+            and (not rope or all(t.dtype == dt and t.numel() == t.shape[-1] and t.stride(-1) == 1
+                                 for t in (rope_cos, rope_sin)))):
         from vattn.ops.triton_gemv import gemv as triton_gemv
         from vattn.ops.triton_launch import pdl_supported
 
         out = torch.empty(1, n, dtype=dt, device=x.device)
         triton_gemv(x, weight, out, silu_mul=silu_mul, residual=residual, norm_weight=norm_weight, eps=eps,
-                    pdl=pdl_supported(x.device))
+                    rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols, pdl=pdl_supported(x.device))
         return out
     if silu_mul:
         x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
@@ -296,11 +312,16 @@ def gemv(
         xf = x.float()
         x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
     out = torch.nn.functional.linear(x, weight)
+    if rope:
+        heads = out[:, :rope_cols].unflatten(-1, (-1, rope_cos.shape[-1]))
+        heads = heads * rope_cos + heads.roll(rope_cos.shape[-1] // 2, -1) * rope_sin
+        return torch.cat([heads.flatten(1).to(out.dtype), out[:, rope_cols:]], dim=1)
     return out if residual is None else out + residual
 
 
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,
-               norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+               norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos: torch.Tensor | None = None,
+               rope_sin: torch.Tensor | None = None, rope_cols: int = 0) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -51,8 +51,8 @@ SPLIT_SCRATCH_BYTES = 16 << 20
 
 ATTENTION_PDL: bool = True
 """Launch the attention kernel with programmatic dependent launch (sm_90+): it finds its
-request and block-table row while the kernel before it (RoPE, a projection) finishes,
-then waits for it before reading q and the new K/V."""
+request and block-table row while the kernel before it (RoPE, a projection) finishes, or
+as soon as that one lets it, then waits for it before reading q and the new K/V."""
 
 COMBINE_PDL: bool = True
 """Launch the split-KV combine with programmatic dependent launch (sm_90+): it is scheduled
