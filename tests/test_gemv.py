@@ -481,6 +481,40 @@ def test_rewrite_fuses_rope_into_the_qkv_projection() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
+    """The example model's 1-token graph: every layer's QKV projection takes RoPE (a change
+    to how the model writes RoPE that loses the match fails here), and no roll is left."""
+    import vattn
+    from examples.model import DecoderForCausalLM, get_preset, init_random_weights
+
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with vattn.set_current_vattn_config(cfg):
+            model = DecoderForCausalLM(get_preset("tiny", num_hidden_layers=3)).eval()
+    finally:
+        torch.set_default_dtype(old)
+    init_random_weights(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with vattn.set_forward_context(None, cfg):
+        torch.compile(model, backend=backend, fullgraph=True)(torch.tensor([7]), torch.tensor([30]))
+    (gm,) = graphs
+    assert one_token_gemv.rewrite(gm) == 3 * 4
+    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default and len(n.args) > 6]
+    assert len(rope) == 3 and all(n.args[8] == (model.config.num_attention_heads
+                                                + model.config.num_key_value_heads) * model.config.head_dim
+                                  for n in rope)
+    gm.graph.eliminate_dead_code()
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "roll"]
+
+
 @pytest.mark.parametrize("variant", ["reuse", "overlap", "float32_table"])
 def test_rewrite_leaves_rope_it_cannot_fuse(variant: str) -> None:
     """Unrotated heads read elsewhere, v overlapping the rotated heads, or a rotation that
