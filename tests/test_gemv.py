@@ -148,6 +148,12 @@ def test_kernel_rope_epilogue(d: int, heads: int, rotated: int, block_n: int) ->
         assert torch.equal(out[:, rotated * d : n], plain[:, rotated * d :])  # not rotated: as projected
         if dtype == torch.float16:
             assert torch.equal(out[:, :n], _rope(plain, cos, sin, rotated * d).to(dtype))
+        # transformers' rotate-half form takes the plain sin: the same rotation, bit for bit
+        unsigned = torch.cat((-sin[: d // 2], sin[d // 2 :]))
+        out_u = torch.empty(1, n, device=DEV, dtype=dtype)
+        triton_gemv.gemv(x, w, out_u, norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=unsigned,
+                         rope_cols=rotated * d, rope_unsigned_sin=True, block_n=block_n, block_k=32, num_warps=4)
+        assert torch.equal(out_u, out[:, :n])
         ref = _rope(_reference(x, w, False, None, nw, 1e-5).to(dtype), cos, sin, rotated * d)
         # two roundings (projection, rotation; the interpreter truncates bfloat16): a few units
         # in the last place of the largest output
@@ -187,6 +193,13 @@ def test_op_rope_fallback_and_opcheck() -> None:
         want = torch.cat((rope.apply(cos_sin, heads[:, :3]), heads[:, 3:]), dim=1).flatten(1)
         assert torch.equal(got, want)
         opcheck(torch.ops.vattn.gemv.default, (x, w, False, None, None, 0.0, *cos_sin, 3 * 16))
+    # transformers' rotate-half form: the plain sin table
+    cos, sin = cos_sin[0], cos_sin[1].abs()
+    got = torch.ops.vattn.gemv(x, w, False, None, None, 0.0, cos, sin, 5 * 16, True)
+    heads = F.linear(x, w).view(rows, 5, 16)
+    want = heads * cos + torch.cat((-heads[..., 8:], heads[..., :8]), dim=-1) * sin
+    assert torch.equal(got, want.flatten(1))
+    opcheck(torch.ops.vattn.gemv.default, (x, w, False, None, None, 0.0, cos, sin, 5 * 16, True))
     with pytest.raises(ValueError, match="rope_cols=24"):
         torch.ops.vattn.gemv(x, w, False, None, None, 0.0, *cos_sin, 24)
     with pytest.raises(ValueError, match="residual set"):
@@ -474,7 +487,7 @@ def test_rewrite_fuses_rope_into_the_qkv_projection() -> None:
     want = model(x, pos)
     assert one_token_gemv.rewrite(gm) == 1
     (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
-    assert call.args[4] is not None and None not in call.args[6:8] and call.args[8] == (4 + 2) * 16  # q and k heads
+    assert call.args[4] is not None and None not in call.args[6:8] and call.args[8:] == ((4 + 2) * 16, False)
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "roll"]
     got = gm(*inputs)
@@ -507,12 +520,66 @@ def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
         torch.compile(model, backend=backend, fullgraph=True)(torch.tensor([7]), torch.tensor([30]))
     (gm,) = graphs
     assert one_token_gemv.rewrite(gm) == 3 * 4
-    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default and len(n.args) > 6]
+    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default and len(n.args) > 6 and not n.args[9]]
     assert len(rope) == 3 and all(n.args[8] == (model.config.num_attention_heads
                                                 + model.config.num_key_value_heads) * model.config.head_dim
                                   for n in rope)
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "roll"]
+
+
+class _HFStyleAttentionInput(torch.nn.Module):
+    """transformers' Llama attention input, token-major: separate q / k / v projections, each
+    viewed as (T, heads, D), and ``apply_rotary_pos_emb``'s rotate-half with the plain sin."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, d: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, d
+        self.q_proj = torch.nn.Linear(hidden, heads * d, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * d, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * d, bias=False)
+
+    @staticmethod
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1 = x[..., : x.shape[-1] // 2]
+        x2 = x[..., x.shape[-1] // 2 :]
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.h, self.d)
+        k = self.k_proj(x).view(t, self.hk, self.d)
+        v = self.v_proj(x).view(t, self.hk, self.d)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin, v
+
+
+def test_rewrite_fuses_transformers_rotate_half() -> None:
+    """transformers' form: q and k projections take RoPE (all their heads, the plain sin),
+    v's stays plain; the rotation's nodes are gone and q, k, v are the same bit for bit."""
+    torch.manual_seed(0)
+    model = _HFStyleAttentionInput().to(torch.bfloat16).eval()
+    angle = torch.rand(1, 8) * 30
+    cos = torch.cat((angle.cos(), angle.cos()), -1).bfloat16()
+    sin = torch.cat((angle.sin(), angle.sin()), -1).bfloat16()
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x, cos, sin)
+    gm, inputs = graphs[0]
+    want = model(x, cos, sin)
+    assert one_token_gemv.rewrite(gm) == 3
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    assert [n.args[8:] for n in calls] == [(4 * 16, True), (2 * 16, True), ()]
+    gm.graph.eliminate_dead_code()
+    assert not [n for n in gm.graph.nodes if n.target is torch.cat]
+    got = gm(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("variant", ["reuse", "overlap", "float32_table"])
@@ -563,3 +630,6 @@ def test_kernel_rope_llama_qkv_cuda(pdl: bool) -> None:
     assert torch.all((out.float() - want.float()).abs() <= ulp)
     op = torch.ops.vattn.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), sin.view(1, 1, 64), 2560)
     assert torch.equal(op, out)  # the op's fast path: the same kernel
+    unsigned = torch.cat((-sin[:32], sin[32:]))  # transformers' rotate-half form: the same rotation
+    op = torch.ops.vattn.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), unsigned.view(1, 1, 64), 2560, True)
+    assert torch.equal(op, out)

@@ -494,6 +494,8 @@ gemv_rope = compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU
 assert "griddepcontrol.wait" in gemv.asm["ptx"] and "griddepcontrol.wait" in gemv_norm.asm["ptx"] and "griddepcontrol.launch_dependents" in decode.asm["ptx"]
 assert "griddepcontrol.launch_dependents" in gemv_norm.asm["ptx"]  # the next kernel may start early ...
 assert "griddepcontrol.launch_dependents" not in gemv_rope.asm["ptx"]  # ... but not attention after RoPE
+compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=False, RESIDUAL=False,
+                                       ROPE_DIM=128, USE_PDL=True, UNSIGNED_SIN=True), 8, 1)
 ttgir = prefill.asm["ttgir"]
 print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
 """

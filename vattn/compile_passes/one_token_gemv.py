@@ -17,11 +17,14 @@ exactly one token (``compile_sizes``):
 * ``F.linear(rms_norm(h), w)`` with ``transformers``' RMSNorm (float32 mean square, cast
   back, times the weight) becomes ``vattn::gemv(h, w, False, None, weight, eps)``;
 * ``F.linear(x, w) + r`` (either order, same shape and dtype) passes ``r`` as the residual;
-* a projection whose only use is neox-style RoPE of its first heads, written as the example
-  model writes it (``qkv = linear.view(T, heads, D)``, ``x = qkv[:, :R]``,
-  ``x * cos + x.roll(D // 2, -1) * sin`` with (T, 1, D) tables of its dtype, the other
-  heads read only as ``qkv[:, S:]``, S >= R), passes ``cos``, ``sin`` and ``R * D``: the
-  GEMV stores q and k rotated and ``x`` stands for the rotation's result.
+* a projection whose only use is neox-style RoPE of its first heads (``qkv =
+  linear.view(T, heads, D)``, ``x = qkv[:, :R]`` or all of ``qkv``, the other heads read
+  only as ``qkv[:, S:]``, S >= R), written as the example model writes it (``x * cos +
+  x.roll(D // 2, -1) * sin``, sin signed) or as ``transformers`` does (``x * cos +
+  rotate_half(x) * sin``, ``rotate_half(x) = cat((-x2, x1), -1)``), with (T, 1, D) tables of
+  its dtype, passes ``cos``, ``sin``, ``R * D`` and which sin it is: the GEMV stores the
+  heads rotated and ``x`` stands for the rotation's result. Tables computed after the
+  projection (a few pure ops) move before it.
 
 A decoder layer's norms and residual adds then need no kernels of their own: 132 instead of
 163 kernels in the batch-1 step of the 1B shape, replay 0.964 -> 0.932 ms (H100); RoPE in
@@ -210,24 +213,77 @@ def _head_slice(node: Any, view: fx.Node) -> tuple[int, int | None] | None:
 
 
 class _Rope(NamedTuple):
-    rotated: fx.Node  # the slice x of the rotated heads
+    rotated: fx.Node  # x: the view, or its slice of the rotated heads
     cos: Any
     sin: Any
     cols: int  # R * D
+    unsigned_sin: bool  # rotate-half as cat(-x2, x1): sin's first half is negated in the kernel
     dead: tuple[fx.Node, ...]  # add, then the nodes only it used (erase in this order)
+
+
+_NEG = (operator.neg, torch.neg)
+
+
+def _last_dim(dim: Any, ndim: int = 3) -> bool:
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    return dim in (-1, ndim - 1)
+
+
+def _half_of(node: Any, x: fx.Node, d: int) -> int | None:
+    """0 for ``x[..., :d/2]``, 1 for ``x[..., d/2:]`` (a getitem of ``x``'s last dim), else None."""
+    if not (_call(node, (operator.getitem,)) and node.args[0] is x and isinstance(node.args[1], tuple)):
+        return None
+    *lead, last = node.args[1]
+    if not isinstance(last, slice) or last.step not in (None, 1) or not (
+            lead == [Ellipsis] or lead == [slice(None)] * 2):
+        return None
+    if last.start in (None, 0) and last.stop == d // 2:
+        return 0
+    if last.start == d // 2 and last.stop in (None, d):
+        return 1
+    return None
+
+
+def _rotation(x: fx.Node, d: int) -> tuple[fx.Node, bool, tuple[fx.Node, ...]] | None:
+    """``(rotate_half(x), unsigned_sin, nodes)`` among the users of ``x`` (D its last dim):
+    ``x.roll(D // 2, -1)`` (times a signed sin), or transformers' ``cat((-x2, x1), -1)`` with
+    ``x1, x2`` its halves (times the plain sin). ``nodes``: the ones that only serve it."""
+    for u in x.users:
+        if _call(u, (torch.roll,), "roll") and u.args[0] is x:
+            shifts = _arg(u, 1, "shifts")
+            shifts = shifts[0] if isinstance(shifts, (tuple, list)) and len(shifts) == 1 else shifts
+            if shifts in (d // 2, -(d // 2)) and _last_dim(_arg(u, 2, "dims")) and len(u.users) == 1:
+                return u, False, (u,)
+    halves = [u for u in x.users if _half_of(u, x, d) is not None]
+    if len(halves) != 2 or {_half_of(u, x, d) for u in halves} != {0, 1}:
+        return None
+    x1, x2 = sorted(halves, key=lambda u: _half_of(u, x, d))
+    if len(x1.users) != 1 or len(x2.users) != 1:
+        return None
+    (neg,) = x2.users
+    (cat,) = x1.users
+    if not (_call(neg, _NEG) and len(neg.users) == 1 and next(iter(neg.users)) is cat and len(cat.users) == 1
+            and _call(cat, (torch.cat,), None)):
+        return None
+    parts = _arg(cat, 0, "tensors")
+    if not (isinstance(parts, (tuple, list)) and list(parts) == [neg, x1] and _last_dim(_arg(cat, 1, "dim", 0))):
+        return None
+    return cat, True, (cat, neg, x2, x1)
 
 
 def _rope_epilogue(linear: fx.Node) -> _Rope | None:
     """A ``_Rope`` when the 1-token projection ``linear`` (T, N) only feeds neox-style RoPE
-    of its first heads (the example model's fused QKV)::
+    of its first heads, as the example model (fused QKV) or a transformers-style model
+    (separate q / k projections) writes it::
 
         qkv = linear.view(T, heads, D)
-        x = qkv[:, :R]                          # the heads RoPE rotates (q and k)
-        add = x * cos + x.roll(D // 2, -1) * sin    # cos, sin: (T or 1, 1, D), sin signed
-        ... qkv[:, S:] with S >= R              # any other use reads heads it does not rotate
+        x = qkv[:, :R]          # the heads RoPE rotates (or x = qkv: all of them)
+        add = x * cos + x.roll(D // 2, -1) * sin    # sin signed: its first half -sin
+        add = x * cos + torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1) * sin  # or this
+        ... qkv[:, S:] with S >= R                  # any other use reads heads it does not rotate
 
-    Once the projection stores rotated values, the slice ``x`` holds ``add``'s. The dtypes
-    must all be the projection's (no promotion)."""
+    cos, sin: (T or 1, 1, D). Once the projection stores rotated values, ``x`` holds
+    ``add``'s. The dtypes must all be the projection's (no promotion)."""
     if len(linear.users) != 1:
         return None
     (view,) = linear.users
@@ -235,44 +291,41 @@ def _rope_epilogue(linear: fx.Node) -> _Rope | None:
     if not (_call(view, method="view") and view.args[0] is linear and out_val is not None
             and view_val is not None and view_val.dim() == 3 and out_val.dim() == 2):
         return None
-    d = view_val.shape[-1]
-    if not isinstance(d, int) or d % 2:
+    heads, d = view_val.shape[1], view_val.shape[2]
+    if not isinstance(d, int) or not isinstance(heads, int) or d % 2:
         return None
-    found = None
-    for use in view.users:
-        span = _head_slice(use, view)
-        if span is None:
-            return None
-        if span[0] == 0 and span[1] is not None and len(use.users) == 2:
-            if found is not None:
+    found, r = None, 0
+    if all(_head_slice(u, view) is None for u in view.users):
+        found, r = view, heads  # every head rotated
+    else:
+        for use in view.users:
+            span = _head_slice(use, view)
+            if span is None:
                 return None
-            found = use
-    if found is None:
+            if span[0] == 0 and span[1] is not None and len(use.users) >= 2:
+                if found is not None:
+                    return None
+                found, r = use, span[1]
+        if found is None or not 0 < r <= heads:
+            return None
+        if any(u is not found and _head_slice(u, view)[0] < r for u in view.users):  # reads a rotated head
+            return None
+    rotation = _rotation(found, d)
+    if rotation is None:
         return None
-    r = found.args[1][1].stop
-    if not (isinstance(view_val.shape[1], int) and 0 < r <= view_val.shape[1]):
+    rot, unsigned, rot_nodes = rotation
+    rest = [u for u in found.users if u not in rot_nodes]
+    if len(rest) != 1 or len(rot.users) != 1:
         return None
-    if any(u is not found and _head_slice(u, view)[0] < r for u in view.users):  # reads a rotated head
+    (mul_cos,) = rest
+    (mul_sin,) = rot.users
+    if not (_call(mul_cos, _MUL) and _call(mul_sin, _MUL) and len(mul_cos.users) == 1 and len(mul_sin.users) == 1):
         return None
-    users = list(found.users)
-    roll = next((u for u in users if _call(u, (torch.roll,), "roll")), None)
-    if roll is None or roll.args[0] is not found:
-        return None
-    shifts, dims = _arg(roll, 1, "shifts"), _arg(roll, 2, "dims")
-    shifts = shifts[0] if isinstance(shifts, (tuple, list)) and len(shifts) == 1 else shifts
-    dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
-    if shifts not in (d // 2, -(d // 2)) or dims not in (-1, 2):
-        return None
-    (mul_cos,) = [u for u in users if u is not roll]
-    if len(roll.users) != 1 or len(mul_cos.users) != 1 or not _call(mul_cos, _MUL):
-        return None
-    (mul_sin,) = roll.users
     (add,) = mul_cos.users
-    if not (_call(mul_sin, _MUL) and _call(add, _ADD) and len(mul_sin.users) == 1
-            and set(add.args) == {mul_cos, mul_sin} and len(add.args) == 2 and not add.kwargs):
+    if not (_call(add, _ADD) and len(add.args) == 2 and not add.kwargs and set(add.args) == {mul_cos, mul_sin}):
         return None
     cos = _pair(mul_cos, lambda n: n is found)
-    sin = _pair(mul_sin, lambda n: n is roll)
+    sin = _pair(mul_sin, lambda n: n is rot)
     if cos is None or sin is None:
         return None
     cos, sin = cos[1], sin[1]
@@ -284,7 +337,23 @@ def _rope_epilogue(linear: fx.Node) -> _Rope | None:
             return None
     if _value(add) is None or _value(add).dtype is not dt:
         return None
-    return _Rope(found, cos, sin, r * d, (add, mul_sin, roll, mul_cos))
+    return _Rope(found, cos, sin, r * d, unsigned, (add, mul_sin, *rot_nodes, mul_cos))
+
+
+def _hoist(value: Any, before: fx.Node, order: dict[fx.Node, int], budget: int = 4) -> bool:
+    """Whether ``value`` is computed before ``before``, moving it there if it is not and it is
+    a pure op of at most ``budget`` nodes on what is (transformers' ``cos.unsqueeze(1)``,
+    written after the projections); ``order`` holds the nodes' positions (kept up to date)."""
+    if not isinstance(value, fx.Node) or order[value] < order[before]:
+        return True
+    if value is before or value.op not in ("call_function", "call_method") or value.is_impure() or budget <= 0:
+        return False
+    inputs = value.all_input_nodes
+    if not all(_hoist(n, before, order, budget - 1) for n in inputs):
+        return False
+    before.prepend(value)
+    order.update((n, i) for i, n in enumerate(before.graph.nodes))
+    return True
 
 
 def rewrite(gm: fx.GraphModule) -> int:
@@ -312,10 +381,10 @@ def rewrite(gm: fx.GraphModule) -> int:
         anchor = node
         if res is not None:  # insert at the add: the residual may be computed after the linear
             anchor, args = res[0], (*args[:3], res[1], *args[4:])
-        if rope is not None and not all(order[t] < order[node] for t in (rope.cos, rope.sin)):
+        if rope is not None and not all(_hoist(t, node, order) for t in (rope.cos, rope.sin)):
             rope = None  # the gemv takes the linear's place: cos and sin must be computed by then
         if rope is not None:
-            args = (*args, rope.cos, rope.sin, rope.cols)
+            args = (*args, rope.cos, rope.sin, rope.cols, rope.unsigned_sin)
         with gm.graph.inserting_before(anchor):
             new = gm.graph.call_function(torch.ops.vattn.gemv.default, args)
         new.meta.update(anchor.meta)

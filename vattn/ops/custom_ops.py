@@ -262,6 +262,7 @@ def gemv(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_cols: int = 0,
+    rope_unsigned_sin: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)), with the input and output
     transforms of a decoder layer's projections:
@@ -276,6 +277,8 @@ def gemv(
       dim), ``rope_cols``: the first ``rope_cols`` outputs, viewed as heads of D, leave
       rotated by neox-style RoPE, ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
       rotate-half needs it: its first half ``-sin``); the rest as projected. Not with ``residual``.
+      ``rope_unsigned_sin``: ``sin`` is the plain table ``transformers``' ``rotate_half`` takes,
+      ``y * cos + cat(-y2, y1) * sin`` (the same rotation).
 
     One bf16/fp16 row on CUDA runs ``vattn.ops.triton_gemv.gemv`` (with programmatic
     dependent launch on sm_90+); anything else the same steps in torch. The 1-token code of
@@ -304,7 +307,8 @@ def gemv(
 
         out = torch.empty(1, n, dtype=dt, device=x.device)
         triton_gemv(x, weight, out, silu_mul=silu_mul, residual=residual, norm_weight=norm_weight, eps=eps,
-                    rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols, pdl=pdl_supported(x.device))
+                    rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols, rope_unsigned_sin=rope_unsigned_sin,
+                    pdl=pdl_supported(x.device))
         return out
     if silu_mul:
         x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
@@ -313,15 +317,20 @@ def gemv(
         x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
     out = torch.nn.functional.linear(x, weight)
     if rope:
-        heads = out[:, :rope_cols].unflatten(-1, (-1, rope_cos.shape[-1]))
-        heads = heads * rope_cos + heads.roll(rope_cos.shape[-1] // 2, -1) * rope_sin
+        half = rope_cos.shape[-1] // 2
+        heads = out[:, :rope_cols].unflatten(-1, (-1, 2 * half))
+        if rope_unsigned_sin:
+            heads = heads * rope_cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * rope_sin
+        else:
+            heads = heads * rope_cos + heads.roll(half, -1) * rope_sin
         return torch.cat([heads.flatten(1).to(out.dtype), out[:, rope_cols:]], dim=1)
     return out if residual is None else out + residual
 
 
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos: torch.Tensor | None = None,
-               rope_sin: torch.Tensor | None = None, rope_cols: int = 0) -> torch.Tensor:
+               rope_sin: torch.Tensor | None = None, rope_cols: int = 0,
+               rope_unsigned_sin: bool = False) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -64,7 +64,7 @@ def _transform(x, up, nw, rstd, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn, eps, rope_cols,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr, ROPE_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+    RESIDUAL: tl.constexpr, ROPE_DIM: tl.constexpr, USE_PDL: tl.constexpr, UNSIGNED_SIN: tl.constexpr = False,
 ):
     """``ROPE_DIM`` (0: none): the program's rows are ``BLOCK_N // 2`` rotation pairs, rows
     (head, j) for consecutive j < ROPE_DIM / 2 and their partners (head, j + ROPE_DIM / 2),
@@ -116,6 +116,8 @@ def _gemv_kernel(
     if ROPE_DIM:
         cos_n = tl.load(cos_ptr + j).to(tl.float32)
         sin_n = tl.load(sin_ptr + j).to(tl.float32)
+        if UNSIGNED_SIN:  # rotate-half's cat(-y2, y1) * sin: the first half's sin negated
+            sin_n = -sin_n
         cos_p = tl.load(cos_ptr + j + HALF).to(tl.float32)
         sin_p = tl.load(sin_ptr + j + HALF).to(tl.float32)
     rstd = 1.0
@@ -181,6 +183,7 @@ def gemv(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_cols: int = 0,
+    rope_unsigned_sin: bool = False,
     pdl: bool = False,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -207,6 +210,8 @@ def gemv(
             and rounded once. ``N`` and ``rope_cols`` must be multiples of D; not with ``residual``.
         rope_cols: how many leading outputs (whole heads) RoPE rotates; the rest are stored as
             projected (a fused QKV projection's v heads).
+        rope_unsigned_sin: ``rope_sin`` is the plain table of ``transformers``' rotate-half
+            form, ``y * cos + cat(-y2, y1) * sin``: the kernel negates its first half.
         pdl: launch with programmatic dependent launch (sm_90+; see the module docstring).
         block_n / block_k / num_warps: output features per program (default 8 for N >= 65536,
             an LM head; else 4), inputs per step (default 4096 for K >= 8192, else 2048; at
@@ -229,6 +234,7 @@ def gemv(
         n, k, weight.stride(0), float(eps), rope_cols,
         BLOCK_N=block_n, BLOCK_K=min(block_k, next_power_of_2(k)), SILU_MUL=silu_mul,
         RMS_NORM=norm_weight is not None, RESIDUAL=residual is not None, ROPE_DIM=rope_dim, USE_PDL=pdl,
+        UNSIGNED_SIN=bool(rope_unsigned_sin and rope_dim),
         num_warps=num_warps, launch_pdl=pdl,
     )
 
