@@ -116,15 +116,17 @@ def test_store_kv_kernel(layout: str, kv_dtype: str) -> None:
 
 
 def test_store_kv_saturates_and_rounds_like_torch() -> None:
-    x = torch.tensor([1e6, -1e6, 124.0, 125.0, 0.3, -7.77, 0.0, 2.0**-9]).to(DEV)
-    key = x.repeat(4, 1).reshape(4, 1, 8)  # (T, Hk, D)
+    """Bit for bit, the sign of values that round to zero included (-0.0005 -> -0.0)."""
+    x = torch.tensor([1e6, -1e6, 124.0, 125.0, 0.3, -7.77, 0.0, 2.0**-9,
+                      -0.0005, -1e-9, -0.0, 2.0**-18, -(2.0**-17), 3e-6, -448.0, 0.0009765625]).to(DEV)
+    key = x.repeat(4, 1).reshape(4, 1, 16)  # (T, Hk, D)
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        cache = torch.zeros(2, 1, 4, 1, 8, dtype=dtype, device=DEV)
+        cache = torch.zeros(2, 1, 4, 1, 16, dtype=dtype, device=DEV)
         name = "fp8" if dtype == torch.float8_e4m3fn else "fp8_e5m2"
         one = torch.tensor(1.0, device=DEV)
         triton_store_kv(key, key, cache[0], cache[1], torch.arange(4, device=DEV), name, one, one)
         want = x.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype)
-        assert torch.equal(cache[0, 0, 3, 0].float().cpu(), want.float().cpu())
+        assert torch.equal(cache[0, 0, 3, 0].cpu().view(torch.uint8), want.cpu().view(torch.uint8))
 
 
 # ---- the unified kernel, through the backend ----------------------------------------------

@@ -27,14 +27,16 @@ def fp8_round_fix(dtype: torch.dtype, device: torch.device) -> int:
 
 @triton.jit
 def round_to_fp8_grid(x, MANT: tl.constexpr):
-    """Round fp32 ``x`` to the fp8 grid with ``MANT`` mantissa bits (3: e4m3fn, 2: e5m2)."""
+    """Round fp32 ``x`` to the fp8 grid with ``MANT`` mantissa bits (3: e4m3fn, 2: e5m2),
+    keeping the sign of a value that rounds to zero (-0.0005 -> -0.0, as ``cvt`` gives)."""
     MIN_EXP: tl.constexpr = -6 if MANT == 3 else -14
     bits = x.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
     quantum = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    y = x / quantum
+    y = tl.abs(x) / quantum
     y = (y + 12582912.0) - 12582912.0  # round half to even via 1.5 * 2**23
-    return y * quantum
+    y = y * quantum
+    return tl.where(bits < 0, -y, y)
 
 
 @triton.jit
