@@ -224,8 +224,8 @@ class _Block(torch.nn.Module):
         return self.head(h)
 
 
-def _dynamo_graph(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
-    """The graph Dynamo hands a backend for ``model(x)``, and its (real) inputs."""
+def _dynamo_graph(model: torch.nn.Module, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """The graph Dynamo hands a backend for ``model(*args)``, and its (real) inputs."""
     graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
@@ -233,7 +233,7 @@ def _dynamo_graph(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.Gra
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch.compile(model, backend=backend, fullgraph=True)(*args)
     return graphs[0]
 
 
@@ -331,15 +331,7 @@ def test_rewrite_leaves_norms_and_adds_it_cannot_fuse() -> None:
     model = Odd().to(torch.bfloat16)
     model.nw32.data = model.nw32.data.float()
     x, row = torch.randn(1, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
-    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x, row)
-    gm, inputs = graphs[0]
+    gm, inputs = _dynamo_graph(model, x, row)
     want = model(x, row)
     assert one_token_gemv.rewrite(gm) == 4
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
@@ -475,15 +467,7 @@ def test_rewrite_fuses_rope_into_the_qkv_projection() -> None:
     torch.manual_seed(0)
     model = _QKVRope().to(torch.bfloat16).eval()
     x, pos = torch.randn(1, 32, dtype=torch.bfloat16), torch.tensor([37])
-    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x, pos)
-    gm, inputs = graphs[0]
+    gm, inputs = _dynamo_graph(model, x, pos)
     want = model(x, pos)
     assert one_token_gemv.rewrite(gm) == 1
     (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
@@ -509,16 +493,8 @@ def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
     finally:
         torch.set_default_dtype(old)
     init_random_weights(model)
-    graphs: list[torch.fx.GraphModule] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
     with vattn.set_forward_context(None, cfg):
-        torch.compile(model, backend=backend, fullgraph=True)(torch.tensor([7]), torch.tensor([30]))
-    (gm,) = graphs
+        gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
     assert one_token_gemv.rewrite(gm) == 3 * 4
     rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default and len(n.args) > 6 and not n.args[9]]
     assert len(rope) == 3 and all(n.args[8] == (model.config.num_attention_heads
@@ -563,15 +539,7 @@ def test_rewrite_fuses_transformers_rotate_half() -> None:
     cos = torch.cat((angle.cos(), angle.cos()), -1).bfloat16()
     sin = torch.cat((angle.sin(), angle.sin()), -1).bfloat16()
     x = torch.randn(1, 32, dtype=torch.bfloat16)
-    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x, cos, sin)
-    gm, inputs = graphs[0]
+    gm, inputs = _dynamo_graph(model, x, cos, sin)
     want = model(x, cos, sin)
     assert one_token_gemv.rewrite(gm) == 3
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
@@ -590,15 +558,7 @@ def test_rewrite_leaves_rope_it_cannot_fuse(variant: str) -> None:
     torch.manual_seed(0)
     model = _QKVRope(variant).to(torch.bfloat16).eval()
     x, pos = torch.randn(1, 32, dtype=torch.bfloat16), torch.tensor([5])
-    graphs: list[tuple[torch.fx.GraphModule, list[torch.Tensor]]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x, pos)
-    gm, inputs = graphs[0]
+    gm, inputs = _dynamo_graph(model, x, pos)
     want = model(x, pos)
     assert one_token_gemv.rewrite(gm) == 1
     (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
