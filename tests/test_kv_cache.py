@@ -37,12 +37,39 @@ def test_slot_mapping_matches_per_token_reference(data):
         assert md.block_table_tensor[r, : len(row)].tolist() == row
 
 
+@pytest.mark.parametrize("qlens", [[1, 1, 1], [2, 0, 1], [0, 3, 0], [1, 2, 0]])
+def test_slot_mapping_decode_shortcut(qlens):
+    """One token per request takes a shortcut; lengths that merely sum to the request count do not."""
+    computed, tables = [3, 5, 9], [[1, 4], [2], [3, 7]]
+    md = vattn.build_common_attn_metadata(qlens, computed, tables, 8)
+    expect = [tables[r][p // 8] * 8 + p % 8 for r in range(3) for p in range(computed[r], computed[r] + qlens[r])]
+    assert md.slot_mapping.tolist() == expect and md.max_query_len == max(qlens)
+
+
 def test_padding():
     md = vattn.build_common_attn_metadata([1, 1], [3, 7], [[0], [1]], 8, num_tokens_padded=5, num_reqs_padded=4)
     assert md.slot_mapping.tolist() == [3, 15, -1, -1, -1]
     assert md.num_reqs == 4 and md.num_actual_tokens == 2
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert md.seq_lens.tolist() == [4, 8, 1, 1]
+
+
+@pytest.mark.cuda
+def test_metadata_on_cuda_is_one_copy_of_aligned_views():
+    """On CUDA the device tensors are views of one host-to-device copy, each 16-byte aligned,
+    with the values, dtypes and shapes of the CPU build."""
+    args = ([3, 1, 0, 5], [0, 9, 4, 17], [[4, 2], [7, 5], [1], [8, 3, 6]], 8)
+    cpu = vattn.build_common_attn_metadata(*args, num_tokens_padded=11, num_reqs_padded=6)
+    dev = vattn.build_common_attn_metadata(*args, device="cuda", num_tokens_padded=11, num_reqs_padded=6)
+    fields = ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping")
+    for name in fields:
+        a, b = getattr(cpu, name), getattr(dev, name)
+        assert b.is_cuda and b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous(), name
+        assert b.data_ptr() % 16 == 0, name
+        assert torch.equal(b.cpu(), a), name
+    assert len({getattr(dev, n).untyped_storage().data_ptr() for n in fields}) == 1
+    assert torch.equal(dev.query_start_loc_cpu, cpu.query_start_loc_cpu)
+    assert torch.equal(dev.seq_lens_cpu, cpu.seq_lens_cpu)
 
 
 @pytest.mark.parametrize(
