@@ -15,8 +15,10 @@ vocab 128256, tied embeddings), random weights, bf16. For each batch size and co
 | hf-eager | ``transformers`` ``generate`` with its dynamic cache (sdpa attention) |
 | hf-static-compile | ``generate`` with a ``StaticCache`` (which auto-compiles the decode forward, reduce-overhead) |
 
-vattn step times are the engine's own (schedule + metadata + forward + logits + sampling,
-one host sync per step), median over the steps where every request decodes. Each vattn impl
+vattn step times are the engine's own (schedule + metadata + forward + logits + sampling),
+median over the steps where every request decodes, with the engine's async scheduling (each
+step prepared and launched while the GPU runs the previous one, whose tokens the next step
+reads on the device; ``--sync-scheduling``: one host sync per step instead). Each vattn impl
 also gets an ``<impl>/loop`` row: ``DecodeLoop`` continues the same requests with
 device-resident inputs and no per-step sync (what a tuned engine does in steady-state
 decode), so host work overlaps the GPU. Graph rows carry ``graph_mode``, the mode the
@@ -148,7 +150,7 @@ def kv_device(kv: Any) -> torch.device:
 
 def vattn_decode(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, runner: dict[str, Any],
                  batch: int, context: int, new_tokens: int, budget: int,
-                 seed: int) -> tuple[dict[str, Any], Engine]:
+                 seed: int, async_scheduling: bool = True) -> tuple[dict[str, Any], Engine]:
     """Prefill ``batch`` prompts of ``context`` tokens, then time ``new_tokens`` engine steps where all decode.
 
     ``runner``: Engine keyword arguments (forward_fn / graph_runner / min_tokens). Returns the
@@ -156,7 +158,7 @@ def vattn_decode(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, run
     requests are all still decoding.
     """
     engine = Engine(model, cfg, kv, device=kv_device(kv), max_num_batched_tokens=budget,
-                    max_num_seqs=batch, seed=seed, **runner)
+                    max_num_seqs=batch, seed=seed, async_scheduling=async_scheduling, **runner)
     g = torch.Generator().manual_seed(seed)
     extra = math.ceil(batch * context / budget) + 2  # decodes that overlap the prefill steps
     for _ in range(batch):
@@ -206,6 +208,7 @@ class DecodeLoop:
     """
 
     def __init__(self, engine: Engine, runner: dict[str, Any], steps: int) -> None:
+        engine.flush()  # the last engine step's tokens (async scheduling leaves them in flight)
         reqs = list(engine.scheduler.running)
         assert reqs and all(r.num_remaining == 1 for r in reqs), "every request must be decoding"
         for r in reqs:
@@ -484,6 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="transformers repeats per timing (default 3; --quick 2)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="skip jobs that would end past this many seconds from process start (default 480; --quick 160)")
+    p.add_argument("--sync-scheduling", action="store_true",
+                   help="engine rows sync on every step's tokens (Engine(async_scheduling=False))")
     p.add_argument("--no-loop", action="store_true", help="skip the device-resident decode loop rows")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--seed", type=int, default=0)
@@ -535,7 +540,7 @@ class VattnImpls:
     def _decode(self, r: dict[str, Any], batch: int, context: int, new_tokens: int) -> tuple[dict[str, Any], Engine]:
         a = self.args
         return vattn_decode(self.model, self.cfg, self.kv, r, batch, context, new_tokens,
-                            a.max_num_batched_tokens, a.seed)
+                            a.max_num_batched_tokens, a.seed, not a.sync_scheduling)
 
     def runner(self, impl: str) -> tuple[dict[str, Any], float]:
         """(Engine kwargs, seconds spent building them now: 0 when built earlier)."""
@@ -669,11 +674,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "preset": args.preset, "model": {**mcfg.__dict__, "rope_scaling": mcfg.rope_scaling},
         "dtype": str(dtype), "vattn_backend": model.model.layers[0].self_attn.attn.attn_backend.get_name(),
         "block_size": BLOCK, "max_num_batched_tokens": budget, "new_tokens": args.new_tokens, "quick": args.quick,
+        "async_scheduling": not args.sync_scheduling,
         "time_budget_s": args.time_budget_s, "roofline": roof.to_dict(), "weight_bytes_per_step": wbytes,
         "floor": floors, "targets": {}, "target_checks": [], "cudagraph": {}, "skipped": {}, "partial": True,
         "notes": [
-            "impl rows: examples.engine.Engine steps (schedule + metadata + forward + logits + sampling, one "
-            "host sync per step), median over steps where every request decodes",
+            "impl rows: examples.engine.Engine steps (schedule + metadata + forward + logits + sampling), "
+            "median over steps where every request decodes; async_scheduling: whether each step was launched "
+            "before the previous step's tokens reached the host (else one host sync per step)",
             "impl/loop rows: DecodeLoop, device-resident decode (no per-step sync; host work overlaps the GPU)",
             "hf rows: (t(generate N+1) - t(generate 1)) / N, medians over --reps",
             "floor_ms: (weight bytes + KV bytes at the row's mean sequence length kv_len) / roofline copy_tbps "

@@ -11,6 +11,15 @@ Three pieces, each a few dozen lines:
   (``vattn.build_common_attn_metadata`` -> ``kv.build_metadata``), runs the model in
   ``vattn.set_forward_context``, samples, and feeds the tokens back.
 
+Async scheduling (the default, as vLLM's ``async_scheduling``): the host prepares and
+launches step N+1 while the GPU still runs step N. Nothing the scheduler decides depends on a
+sampled token's *value* (requests finish by count), so step N+1 is scheduled with step N's
+samples still on the GPU: each request's newest output is ``PENDING`` on the host, and step
+N+1 reads it on the device (its ``input_ids`` slot is filled from step N's sampled tensor).
+Step N's tokens reach the host (a non-blocking copy, then an event wait that step N+1's
+kernels do not delay) after step N+1 is launched. ``run`` (or ``flush``) leaves no token
+pending. The tokens are the same as with ``async_scheduling=False``, which syncs every step.
+
 A request's tokens are ``prompt + outputs``; ``num_computed_tokens`` of them have K/V in the
 cache. The step gives it ``n`` new tokens; when that reaches its last token the logits of
 that position sample its next token (a chunk that ends mid-prompt samples nothing).
@@ -28,7 +37,10 @@ import torch
 
 import vattn
 
-__all__ = ["BlockAllocator", "Engine", "Request", "SamplingParams", "Scheduler", "sample"]
+__all__ = ["PENDING", "BlockAllocator", "Engine", "Request", "SamplingParams", "Scheduler", "sample"]
+
+#: An output token sampled by the step in flight, not on the host yet (async scheduling).
+PENDING = -1
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,8 @@ class Scheduler:
                 f"max_num_batched_tokens={self.max_num_batched_tokens}; raise the budget or enable chunked prefill.")
         if not req.prompt_token_ids or req.sampling.max_tokens < 1:
             raise ValueError(f"request {req.req_id}: the prompt must be non-empty and max_tokens >= 1.")
+        if min(req.prompt_token_ids) < 0:
+            raise ValueError(f"request {req.req_id}: prompt token ids must be >= 0, got {min(req.prompt_token_ids)}.")
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -232,8 +246,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     if chunks == 1:
         return logits.argmax(dim=-1)
     values, index = logits.reshape(n, chunks, vocab // chunks).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return torch.add(index.gather(-1, best), best, alpha=vocab // chunks).squeeze(-1)
+    best = values.argmax(dim=-1)
+    # A tensor of its own, not a view: the next step may take it as its input_ids.
+    return torch.add(index.gather(-1, best[:, None]).squeeze(-1), best, alpha=vocab // chunks)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
@@ -253,6 +268,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor | None = None, top_p:
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
     choice = torch.multinomial(sorted_probs.masked_fill(drop, 0.0), 1, generator=generator)
     return torch.where(temperature > 0, order.gather(-1, choice).squeeze(-1), top)
+
+
+@dataclass
+class _InFlight:
+    """A step's samples on their way to the host."""
+
+    tokens: torch.Tensor  # (S,) int64 on the device: the next step's inputs read them there
+    host: torch.Tensor  # (S,) int64 on the host (pinned on CUDA), written by a non-blocking copy
+    done: torch.cuda.Event | None  # recorded after the copy (None on CPU: the copy is done)
+    rows: dict[int, int]  # req_id -> row of ``tokens``
+    owners: list[tuple[Request, int]]  # (request, index in its output_token_ids) per row
 
 
 @dataclass
@@ -283,6 +309,8 @@ class Engine:
             ``TensorParallel.broadcast_from_first``: every rank runs this same deterministic
             scheduler, and rank 0's samples are the ones every rank keeps, so the ranks never
             diverge (not even on a near-tie or with temperature sampling).
+        async_scheduling: prepare and launch each step before the previous one's tokens reach
+            the host (see the module docstring); False syncs on every step's tokens.
     """
 
     def __init__(self, model: torch.nn.Module, vattn_config: vattn.VattnConfig, kv: "vattn.PagedKVCache", *,
@@ -291,7 +319,8 @@ class Engine:
                  graph_runner: Callable[..., torch.Tensor] | None = None, pad_tokens_to: int = 1,
                  min_tokens: int = 1, seed: int = 0, record_logits: bool = False,
                  check_invariants: bool = False,
-                 token_sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 token_sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 async_scheduling: bool = True) -> None:
         self.model, self.cfg, self.kv = model, vattn_config, kv
         self.device = torch.device(device)
         self.forward_fn = forward_fn if forward_fn is not None else model
@@ -308,6 +337,9 @@ class Engine:
         self.logits: dict[int, list[torch.Tensor]] = {}
         self.check_invariants = check_invariants
         self.token_sync = token_sync
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
+        self._pin = self.device.type == "cuda"
         self.step_count = 0
         self._next_id = 0
 
@@ -319,17 +351,27 @@ class Engine:
         return req
 
     def _prepare(self, scheduled: list[tuple[Request, int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, vattn.CommonAttentionMetadata, list[int]]:
-        """Host-side inputs for one step: (input_ids (T_pad,), positions (T_pad,), common metadata, logit rows)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor, vattn.CommonAttentionMetadata, torch.Tensor | slice]:
+        """Device inputs for one step: (input_ids (T_pad,), positions (T_pad,), common metadata,
+        the rows whose logits sample ((S,) indices, or a slice when every token samples)): the
+        host's lists in one copy; a ``PENDING`` token is read from the in-flight step's samples
+        on the device."""
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
+        dst: list[int] = []  # positions in ids of PENDING tokens ...
+        src: list[int] = []  # ... and their rows in the in-flight step's samples
         for req, n in scheduled:
             c = req.num_computed_tokens
             ids += req.token_ids(c, c + n)
             pos += range(c, c + n)
             if c + n == req.num_tokens:
                 rows.append(len(ids) - 1)
+                if ids[-1] == PENDING:  # only a request's newest token can be pending
+                    assert self._inflight is not None
+                    dst.append(len(ids) - 1)
+                    src.append(self._inflight.rows[req.req_id])
+                    ids[-1] = 0
         t = len(ids)
         t_pad = max(-(-t // self.pad_tokens_to) * self.pad_tokens_to, self.min_tokens)
         common = vattn.build_common_attn_metadata(
@@ -338,9 +380,23 @@ class Engine:
             block_tables=[r.block_ids for r, _ in scheduled],
             block_size=self.block_size, device=self.device, num_tokens_padded=t_pad)
         pad = [0] * (t_pad - t)
-        input_ids = torch.tensor(ids + pad, dtype=torch.long).to(self.device, non_blocking=True)
-        positions = torch.tensor(pos + pad, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, positions, common, rows
+        # Each input a tensor of its own (a compiled model guards on views and storage offsets).
+        positions = torch.tensor(pos + pad, dtype=torch.long, pin_memory=self._pin).to(self.device, non_blocking=True)
+        if (self._inflight is not None and t == t_pad == len(dst) == self._inflight.tokens.shape[0]
+                and dst == src == list(range(t))):
+            return self._inflight.tokens, positions, common, slice(0, t)  # steady decoding: last step's samples
+        input_ids = torch.tensor(ids + pad, dtype=torch.long, pin_memory=self._pin).to(self.device, non_blocking=True)
+        every = len(rows) == t  # every token samples (a decode batch): no gather of the rows
+        rows_t: torch.Tensor | slice = slice(0, t)
+        if dst or not every:
+            aux = torch.tensor(([] if every else rows) + dst + src, dtype=torch.long, pin_memory=self._pin)
+            idx, dst_t, src_t = aux.to(self.device, non_blocking=True).split(
+                [0 if every else len(rows), len(dst), len(src)])
+            rows_t = rows_t if every else idx
+            if dst:
+                assert self._inflight is not None
+                input_ids[dst_t] = self._inflight.tokens[src_t]
+        return input_ids, positions, common, rows_t
 
     @torch.no_grad()  # not inference_mode: mixing inference tensors in makes a compiled model retrace
     def step(self) -> StepStats:
@@ -361,7 +417,7 @@ class Engine:
         else:
             with vattn.set_forward_context(self.kv.build_metadata(common), self.cfg):
                 hidden = self.forward_fn(input_ids, positions)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        logits = self.model.compute_logits(hidden[rows])
         samplers = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
         temp = top_p = None
         if any(r.sampling.temperature > 0 for r in samplers):
@@ -370,15 +426,41 @@ class Engine:
         sampled = sample(logits, temp, top_p, self.generator)
         if self.token_sync is not None:
             sampled = self.token_sync(sampled)
-        tokens = sampled.tolist()  # the step's one host sync
         if self.record_logits:
             for r, row in zip(samplers, logits.float().cpu()):
                 self.logits.setdefault(r.req_id, []).append(row)
-        self.scheduler.update(scheduled, {r.req_id: t for r, t in zip(samplers, tokens)})
+        host, done = self._send_to_host(sampled)
+        self.scheduler.update(scheduled, {r.req_id: PENDING for r in samplers})
+        flight = _InFlight(sampled, host, done, rows={r.req_id: i for i, r in enumerate(samplers)},
+                           owners=[(r, len(r.output_token_ids) - 1) for r in samplers])
+        self.flush()  # the previous step's tokens: done before this step's kernels started
+        self._inflight = flight
+        if not self.async_scheduling:
+            self.flush()  # this step's tokens (waits for its kernels)
         if self.check_invariants:
             self.allocator.check(self.scheduler.running)
         return StepStats(sum(n for _, n in scheduled) - decode, decode, len(samplers),
                          time.perf_counter() - start)
+
+    def _send_to_host(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying ``sampled`` to the host: (the host tensor, an event recorded after the
+        copy; None on CPU, where the copy is done)."""
+        if not self._pin:
+            return sampled.cpu(), None
+        host = sampled.to("cpu", non_blocking=True)  # into pinned memory
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def flush(self) -> None:
+        """Wait for the step in flight and write its tokens into the requests (none stays ``PENDING``)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        if flight.done is not None:
+            flight.done.synchronize()
+        for (req, i), token in zip(flight.owners, flight.host.tolist()):
+            req.output_token_ids[i] = token
 
     def run(self, on_step: Callable[[StepStats], None] | None = None) -> list[StepStats]:
         """Step until every request has finished; returns the per-step stats."""
@@ -388,4 +470,5 @@ class Engine:
             stats.append(s)
             if on_step is not None:
                 on_step(s)
+        self.flush()
         return stats

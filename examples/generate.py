@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(CompilationConfig.cache_dir; default ~/.cache/vattn/compile, none with "
                         "VATTN_DISABLE_COMPILE_CACHE=1; Inductor's cache serves the kernels)")
     p.add_argument("--cudagraph", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--sync-scheduling", action="store_true",
+                   help="sync on every step's tokens instead of preparing the next step while the GPU runs "
+                        "(Engine(async_scheduling=False); the tokens are the same)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun --nproc-per-node N)")
     p.add_argument("--symm-mem", action="store_true",
                    help="with --tp on GPUs: one-shot symmetric-memory all-reduce instead of NCCL")
@@ -215,7 +218,7 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
     def new_engine() -> Engine:
         return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, forward_fn=forward_fn, graph_runner=runner,
-                      min_tokens=min_tokens, seed=args.seed,
+                      min_tokens=min_tokens, seed=args.seed, async_scheduling=not args.sync_scheduling,
                       token_sync=tp.broadcast_from_first if tp.size > 1 else None)
 
     warmup_s = 0.0

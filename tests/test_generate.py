@@ -52,6 +52,16 @@ def test_generate_compile_matches_eager() -> None:
     assert compiled["outputs"] == eager["outputs"]
 
 
+def test_generate_sync_scheduling_same_outputs() -> None:
+    """--sync-scheduling (a host sync every step) and the default async scheduling sample the same tokens."""
+    extra = ["--temperature", "0.8", "--preset", "tiny-qwen3", "--num-blocks", "10", "--block-size", "4"]
+    asynchronous = generate.main(SMALL + extra)
+    synchronous = generate.main(SMALL + extra + ["--sync-scheduling"])
+    assert asynchronous["preemptions"] > 0
+    assert asynchronous["outputs"] == synchronous["outputs"]
+    assert all(t >= 0 for out in asynchronous["outputs"] for t in out)
+
+
 def test_generate_cudagraph_flag_on_cpu() -> None:
     """--cudagraph on CPU: the runner falls back to eager (mode NONE) and the tokens are unchanged."""
     eager = generate.main(SMALL + ["--fixed-lengths"])
@@ -72,6 +82,24 @@ def test_generate_rejects_unknown_backend(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         generate.main(SMALL + ["--backend", "NO_SUCH_BACKEND"])
     assert "TORCH_SDPA" in capsys.readouterr().err
+
+
+def test_bench_engine_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks/bench_engine.py (engine steps, sync against async scheduling, host phases) runs on
+    CPU and writes its JSON; its timers are removed afterwards."""
+    from benchmarks import bench_engine
+    from examples.engine import Engine
+
+    prepare = Engine._prepare
+    monkeypatch.setenv("OUT", str(tmp_path))
+    out = bench_engine.main(["--device", "cpu", "--batches", "1,2", "--context", "16", "--steps", "4", "--reps", "1"])
+    (path,) = tmp_path.glob("engine-*.json")
+    assert {(r["batch"], r["async_scheduling"]) for r in out["rows"]} == {(1, False), (1, True), (2, False), (2, True)}
+    for r in out["rows"]:
+        assert r["step_ms"] > 0 and r["prepare_ms"] >= r["common_metadata_ms"] > 0 and r["flush_ms"] >= 0
+    assert set(out["summary"]["ratios"]) == {"sync/async b1", "sync/async b2"}
+    assert json.loads(path.read_text())["benchmark"] == "engine"
+    assert Engine._prepare is prepare
 
 
 def test_bench_e2e_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vattn  # noqa: E402
-from examples.engine import BlockAllocator, Engine, Request, SamplingParams, greedy, sample  # noqa: E402
+from examples.engine import PENDING, BlockAllocator, Engine, Request, SamplingParams, greedy, sample  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -277,6 +277,50 @@ def test_scheduler_invariants_under_preemption() -> None:
     for a, b in zip(ample_reqs, reqs):
         assert len(b.output_token_ids) == MAX_TOKENS and not b.block_ids
         assert a.output_token_ids == b.output_token_ids
+
+
+def test_async_scheduling_same_tokens_as_sync() -> None:
+    """Async scheduling (each step launched before the previous step's tokens reach the host,
+    which reads them on the device) gives the tokens of a run that syncs every step: with
+    preemption and recompute (few blocks), chunked prefill, arrivals, and temperature / top-p
+    sampling from the engine's generator. Mid-run, only a request's newest token is pending."""
+    hf = make_hf(CONFIGS["llama-gqa"])
+    model, cfg, _ = make_vattn(hf)
+
+    def run(async_scheduling: bool) -> tuple[list[list[int]], list[torch.Tensor], int]:
+        small = vattn.allocate_kv_cache(cfg, num_blocks=12, device="cpu")
+        engine = Engine(model, cfg, small, device="cpu", max_num_batched_tokens=BUDGET, check_invariants=True,
+                        async_scheduling=async_scheduling, seed=3, record_logits=True)
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=t, top_p=0.9),
+                                   arrival_step=a)
+                for (p, a), t in zip(prompts(), [0.0, 1.0, 0.0, 0.7, 1.3])]
+        pending_seen = 0
+        while engine.scheduler.has_unfinished():
+            engine.step()
+            for r in reqs:
+                assert PENDING not in r.output_token_ids[:-1], "only the newest token can be pending"
+                pending_seen += bool(r.output_token_ids) and r.output_token_ids[-1] == PENDING
+        engine.flush()
+        assert all(PENDING not in r.output_token_ids for r in reqs)
+        logits = [torch.stack(engine.logits[r.req_id]) for r in reqs]
+        return [r.output_token_ids for r in reqs], logits, sum(r.num_preemptions for r in reqs) + 1000 * pending_seen
+
+    sync_tokens, sync_logits, sync_flags = run(False)
+    async_tokens, async_logits, async_flags = run(True)
+    assert sync_flags % 1000 > 0 and async_flags % 1000 > 0, "the cache must be small enough to preempt"
+    assert sync_flags < 1000 < async_flags, "async steps must leave tokens pending (and sync ones none)"
+    assert async_tokens == sync_tokens
+    for a, b in zip(async_logits, sync_logits):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert len({t for out in sync_tokens for t in out}) > 40  # sampling drew many different tokens
+
+
+def test_async_scheduling_rejects_negative_prompt_ids() -> None:
+    hf = make_hf(CONFIGS["llama-gqa"])
+    model, cfg, kv = make_vattn(hf)
+    engine = Engine(model, cfg, kv, device="cpu")
+    with pytest.raises(ValueError, match="prompt token ids must be >= 0"):
+        engine.add_request([3, PENDING, 5])
 
 
 def test_block_allocator() -> None:
