@@ -333,8 +333,14 @@ def hf_decode(hf: Any, batch: int, context: int, new_tokens: int, static: bool, 
     t0 = time.perf_counter()
     run(1), run(new_tokens + 1)  # warm-up (compiles the decode forward for the static cache)
     warmup_s = time.perf_counter() - t0
-    short = statistics.median(run(1) for _ in range(reps))
-    long = statistics.median(run(new_tokens + 1) for _ in range(reps))
+    for attempt in range(4):  # a difference of two noisy timings: more repeats while it is not positive
+        short = statistics.median(run(1) for _ in range(reps << attempt))
+        long = statistics.median(run(new_tokens + 1) for _ in range(reps << attempt))
+        if long > short:
+            break
+    else:
+        raise RuntimeError(f"generate of {new_tokens + 1} tokens timed no slower than of 1 token over "
+                           f"{reps << 3} repeats (timing noise); raise --new-tokens or --reps.")
     ms = 1e3 * (long - short) / new_tokens
     return {"ms_per_step": ms, "tok_s": batch * 1e3 / ms, "warmup_s": warmup_s,
             "kv_len": context + new_tokens / 2 + 1.5}
