@@ -9,12 +9,15 @@ HF model (eager attention) run on the whole sequence without a cache.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -313,6 +316,46 @@ def test_async_scheduling_same_tokens_as_sync() -> None:
     for a, b in zip(async_logits, sync_logits):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert len({t for out in sync_tokens for t in out}) > 40  # sampling drew many different tokens
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_async_scheduling_fuzz(data: st.DataObject) -> None:
+    """Random workloads (prompt and output lengths, arrivals, token budget, cache size, sampling):
+    async scheduling samples exactly the tokens of synchronous steps, and leaves the cache's
+    blocks all free."""
+    model, cfg = _fuzz_model()
+    n = data.draw(st.integers(1, 5), label="requests")
+    reqs = [(data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20), label="prompt"),
+             data.draw(st.integers(1, 8), label="max_tokens"), data.draw(st.integers(0, 6), label="arrival"),
+             data.draw(st.sampled_from([0.0, 0.0, 1.0]), label="temperature")) for _ in range(n)]
+    budget = data.draw(st.integers(1, 24), label="budget")
+    need = max(-(-(len(p) + m) // 4) for p, m, _, _ in reqs)
+    blocks = data.draw(st.integers(need, need + 8), label="blocks")  # few blocks: preemption
+
+    def run(async_scheduling: bool) -> list[list[int]]:
+        kv = vattn.allocate_kv_cache(cfg, num_blocks=blocks, device="cpu")
+        engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=budget, seed=7,
+                        async_scheduling=async_scheduling, check_invariants=True)
+        out = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=t), arrival_step=a)
+               for p, m, a, t in reqs]
+        engine.run()
+        assert engine.allocator.num_free == blocks
+        return [r.output_token_ids for r in out]
+
+    assert run(True) == run(False)
+
+
+@functools.lru_cache(maxsize=1)
+def _fuzz_model() -> tuple[DecoderForCausalLM, vattn.VattnConfig]:
+    """A 1-layer model (block size 4) shared by the fuzz examples."""
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=4))
+    mcfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+    with vattn.set_current_vattn_config(cfg):
+        model = DecoderForCausalLM(mcfg).eval()
+    init_random_weights(model, seed=5)
+    return model, cfg
 
 
 def test_async_scheduling_rejects_negative_prompt_ids() -> None:
