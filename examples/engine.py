@@ -400,7 +400,11 @@ class Engine:
 
     @torch.no_grad()  # not inference_mode: mixing inference tensors in makes a compiled model retrace
     def step(self) -> StepStats:
-        """Schedule, run and sample one step (fast-forwards over steps where nothing has arrived)."""
+        """Schedule, run and sample one step (fast-forwards over steps where nothing has arrived).
+
+        With async scheduling this returns once the step is launched: the tokens it samples are
+        ``PENDING`` in ``Request.output_token_ids`` until the next step (or ``flush``) writes them.
+        """
         start = time.perf_counter()
         scheduled = self.scheduler.schedule(self.step_count)
         while not scheduled and self.scheduler.waiting and not self.scheduler.running:

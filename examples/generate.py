@@ -262,7 +262,7 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
     if not lead:
         return result
     print(f"model {args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, "
-          f"compile={args.compile}, "
+          f"compile={args.compile}, scheduling={'sync' if args.sync_scheduling else 'async'}, "
           f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
           + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))
     print(f"prefill: {prefill_tok} tokens, {result['prefill_tok_s']:.1f} tok/s | decode: {decode_tok} tokens, "
