@@ -457,3 +457,37 @@ def test_compile_sizes_validation() -> None:
         vattn.CompilationConfig(compile_sizes=(0,))
     with pytest.raises(TypeError, match="inductor_compile_config must be a dict"):
         vattn.CompilationConfig(inductor_compile_config=[("max_autotune", True)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("override", [None, False])
+def test_pieces_compile_with_inductor_pdl_on_sm90(monkeypatch, override: bool | None) -> None:
+    """On an sm_90+ GPU every piece (general and exact-size code) compiles with Inductor's
+    programmatic dependent launch, unless ``inductor_compile_config`` says otherwise; elsewhere
+    the config is left alone. Checked on the CPU with Inductor's entry point recorded."""
+    import torch._inductor.compile_fx as compile_fx_mod
+
+    from vattn.compile_passes import backend as backend_mod
+
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pytest.skip(f"torch {torch.__version__} has no triton.enable_pdl")
+    patches: list[dict] = []
+
+    def record(graph, example_inputs, config_patches=None, **kwargs):  # noqa: ANN001, ANN202
+        patches.append(dict(config_patches or {}))
+        return graph
+
+    extra = {} if override is None else {"triton.enable_pdl": override}
+    monkeypatch.setattr(compile_fx_mod, "compile_fx", record)
+    for sm90 in (False, True):
+        monkeypatch.setattr(backend_mod, "_on_sm90", lambda args, sm90=sm90: sm90)
+        patches.clear()
+        model, cfg, kv = build(2, compile_sizes=(1,), one_token_gemv=False, inductor_compile_config=extra)
+        compiled = vattn.compile(model, cfg)
+        for n in (3, 1):  # general code, then the 1-token code
+            common = kv.common_metadata([n], [4], [[1, 2]])
+            got = run(compiled, cfg, kv, torch.arange(n), torch.arange(4, 4 + n), common)
+            assert got.shape == (n, H)
+        counter = compiled.backend.counter
+        assert len(patches) == counter.num_inductor_compiles + counter.num_static_compiles > counter.num_inductor_compiles
+        want = override if override is not None else (True if sm90 else None)
+        assert [p.get("triton.enable_pdl") for p in patches] == [want] * len(patches)

@@ -107,11 +107,11 @@ class CompilationConfig:
             bias-free ``F.linear`` as vattn's Triton GEMV with programmatic dependent launch
             (SwiGLU's ``silu(gate) * up`` fused into the down projection, an RMSNorm before a
             projection into its input, a residual add after it into its output; see
-            ``vattn.compile_passes.one_token_gemv``) instead of Inductor's reductions, and
-            compile that code with Inductor's PDL on (``triton.enable_pdl``, unless
-            ``inductor_compile_config`` sets it).
+            ``vattn.compile_passes.one_token_gemv``) instead of Inductor's reductions.
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
-            every piece compile, e.g. ``{"max_autotune": True}``.
+            every piece compile, e.g. ``{"max_autotune": True}``. On sm_90+ GPUs the pieces
+            compile with Inductor's programmatic dependent launch on (``triton.enable_pdl``:
+            each kernel's launch overlaps the one before it) unless this sets it.
         debug_dump_path: where passes dump graphs before/after, if set.
         cache_dir: a directory where ``vattn.compile`` saves Dynamo's trace of the model
             (one file per model, config and input signature) and from which a later start
