@@ -111,7 +111,10 @@ class CompilationConfig:
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``. On sm_90+ GPUs the pieces
             compile with Inductor's programmatic dependent launch on (``triton.enable_pdl``:
-            each kernel's launch overlaps the one before it) unless this sets it.
+            each kernel's launch overlaps the one before it: about 1% off a captured decode
+            step) unless this sets it; a model run without CUDA graphs, whose steps the host
+            bounds, may pass ``{"triton.enable_pdl": False}`` (PDL launches cost the host
+            more: up to 5% of such a step).
         debug_dump_path: where passes dump graphs before/after, if set.
         cache_dir: a directory where ``vattn.compile`` saves Dynamo's trace of the model
             (one file per model, config and input signature) and from which a later start
