@@ -353,6 +353,86 @@ def test_noop_elimination_counts_and_keeps_numerics() -> None:
     torch.testing.assert_close(gm(torch.randn(7, 32)).shape, torch.Size([7, 2, 16]))
 
 
+def _addmm_graph(device: str) -> tuple[torch.fx.Graph, dict[str, torch.fx.Node]]:
+    """A post-grad-like graph with fake tensors on ``device``: a residual addmm, a bias addmm
+    and a scaled one; its outputs are the three results."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = {"res": torch.empty(5, 6, device=device), "x": torch.empty(5, 8, device=device),
+                "w": torch.empty(8, 6, device=device), "bias": torch.empty(6, device=device)}
+        nodes = {}
+        for name, v in vals.items():
+            nodes[name] = g.placeholder(name)
+            nodes[name].meta["val"] = v
+        x, w = nodes["x"], nodes["w"]
+        for name, args, kwargs in (("residual", (nodes["res"], x, w), {}), ("bias", (nodes["bias"], x, w), {}),
+                                   ("scaled", (nodes["res"], x, w), {"beta": 2})):
+            nodes[name] = g.call_function(aten.addmm.default, args, kwargs)
+            nodes[name].meta["val"] = aten.addmm.default(*(a.meta["val"] for a in args), **kwargs)
+    g.output((nodes["residual"], nodes["bias"], nodes["scaled"]))
+    return g, nodes
+
+
+def test_unfuse_addmm_splits_residual_addmm_on_gpu_graphs() -> None:
+    """A residual ``addmm`` of a GPU graph becomes ``mm`` + ``add`` (same values); a bias or
+    scaled addmm, and any CPU graph, stay as they are. The pass is on by default."""
+    aten = torch.ops.aten
+    assert "unfuse_addmm" in vattn.CompilationConfig().passes
+    p = get_pass_class("unfuse_addmm")()
+
+    g, _ = _addmm_graph("cpu")
+    assert p(g) == 0
+
+    g, nodes = _addmm_graph("cuda")
+    assert p(g) == 1
+    ops = [n.target for n in g.nodes if n.op == "call_function"]
+    assert ops.count(aten.addmm.default) == 2 and ops.count(aten.mm.default) == 1
+    (add,) = [n for n in g.nodes if n.target == aten.add.Tensor]
+    mm = add.args[0]
+    assert mm.target == aten.mm.default and mm.args == (nodes["x"], nodes["w"]) and add.args[1] is nodes["res"]
+    assert g.output_node().args[0][0] is add
+    assert tuple(mm.meta["val"].shape) == (5, 6) and add.meta["val"].device.type == "cuda"
+    g.lint()
+
+    # The rewritten graph computes what the addmm did (run on CPU tensors).
+    gen = torch.Generator().manual_seed(0)
+    res, x, w, bias = (torch.randn(*s, generator=gen) for s in ((5, 6), (5, 8), (8, 6), (6,)))
+    out = torch.fx.GraphModule(nn.Module(), g)(res, x, w, bias)
+    torch.testing.assert_close(out[0], torch.addmm(res, x, w))
+    torch.testing.assert_close(out[1], torch.addmm(bias, x, w))
+    torch.testing.assert_close(out[2], torch.addmm(res, x, w, beta=2))
+
+
+@pytest.mark.cuda
+def test_unfuse_addmm_leaves_no_residual_addmm_in_inductor_code_cuda() -> None:
+    """On CUDA, Inductor's code for a bf16 model has the residual adds of ``o`` and ``down``
+    as ``addmm`` without the pass and fused into its Triton kernels with it; outputs agree."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    default = vattn.CompilationConfig().passes
+    outs, codes = {}, {}
+    for name, passes in (("on", default), ("off", tuple(p for p in default if p != "unfuse_addmm"))):
+        model, cfg, kv = build(2, device="cuda", dtype=torch.bfloat16, passes=passes)
+        ids, positions, common = Batches(kv, seed=3).step()
+        torch._dynamo.reset()
+        compiled = vattn.compile(model, cfg)
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            outs[name], code = run_and_get_code(lambda: run(compiled, cfg, kv, ids, positions, common))
+        codes[name] = "\n".join(code)
+        if name == "on":
+            assert compiled.backend.pass_manager.matches["unfuse_addmm"] >= 2
+            want = run(model, cfg, kv, ids, positions, common)
+    assert "extern_kernels.addmm" in codes["off"] and "extern_kernels.addmm" not in codes["on"]
+    assert "extern_kernels.mm" in codes["on"]
+    torch.testing.assert_close(outs["on"].float(), want.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs["on"].float(), outs["off"].float(), atol=3e-2, rtol=3e-2)
+
+
 def test_defunctionalize_removes_auto_functionalized_and_copies() -> None:
     from torch._dynamo.backends.common import aot_autograd
     from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2

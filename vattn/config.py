@@ -93,7 +93,8 @@ class CompilationConfig:
         splitting_ops: ops at which ``vattn.compile`` splits the FX graph.
         passes: names of the post-grad passes to run, in order (see ``vattn.compile_passes``);
             the fp8 query-quant fusion must stay on for fp8 caches to compile without a
-            standalone quant kernel per layer.
+            standalone quant kernel per layer; ``unfuse_addmm`` keeps residual adds out of
+            cuBLAS ``addmm`` on GPUs (it saves a memcpy per projection).
         use_inductor: compile the pieces with Inductor (else run them as FX graphs).
         compile_sizes: token counts for which every piece is also compiled for that exact
             size (vLLM's ``compile_sizes``), on the first step of that size: a step of
@@ -132,7 +133,8 @@ class CompilationConfig:
         "vattn::unified_attention",
         "vattn::unified_attention_with_output",
     )
-    passes: tuple[str, ...] = ("noop_elimination", "query_quant_fusion", "attn_quant_fusion", "defunctionalize")
+    passes: tuple[str, ...] = ("noop_elimination", "query_quant_fusion", "attn_quant_fusion", "defunctionalize",
+                               "unfuse_addmm")
     use_inductor: bool = True
     compile_sizes: tuple[int, ...] = ()
     one_token_gemv: bool = True

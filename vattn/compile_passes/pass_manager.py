@@ -52,6 +52,7 @@ BUILTIN_PASSES: dict[str, str] = {
     "query_quant_fusion": "vattn.compile_passes.fusion_query_quant:QueryQuantFusionPass",
     "attn_quant_fusion": "vattn.compile_passes.fusion_attn_quant:AttnQuantFusionPass",
     "defunctionalize": "vattn.compile_passes.defunctionalize:DefunctionalizePass",
+    "unfuse_addmm": "vattn.compile_passes.unfuse_addmm:UnfuseAddmmPass",
 }
 _registered: dict[str, type["VattnPass"]] = {}
 
