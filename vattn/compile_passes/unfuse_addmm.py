@@ -11,9 +11,12 @@ element-wise, Inductor fuses it into the RMSNorm kernel that reads the sum anywa
 kernel also writes the sum when the next layer needs it).
 
 Llama-3.2-1B shape, FULL graph on an H100: 30 memcpy nodes a step (42.6 us of GPU time at
-batch 64) go away; the replay takes 1.582 instead of 1.633 ms at batch 64, 1.202 instead of
-1.244 ms at batch 8 (``benchmarks/results/profile-unfuse-addmm-*``). A 1-D bias (``nn.Linear`` with ``bias=True``) is left fused: cuBLASLt adds it
-in the GEMM epilogue without a copy. CPU graphs are left alone (their ``addmm`` needs no copy).
+batch 64) go away; the replay takes 1.582 instead of 1.633 ms at batch 64 and 1.202 instead
+of 1.244 ms at batch 8 (``benchmarks/results/profile-unfuse-addmm-*``).
+
+Left as they are: an ``addmm`` with a 1-D bias (``nn.Linear(bias=True)``; ATen can hand it
+to cuBLASLt's bias epilogue, which needs no copy), one with ``alpha`` or ``beta`` other than 1,
+and CPU graphs (not measured there; Inductor keeps ``addmm`` fused on CPUs too).
 
 Numerics: the GEMM result is rounded to the activation dtype before the add, as in eager
 PyTorch (``residual + linear(x)``), instead of once after it.
