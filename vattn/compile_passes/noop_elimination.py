@@ -21,17 +21,13 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from vattn.compile_passes.pass_manager import VattnPass, register_pass
+from vattn.compile_passes.pass_manager import VattnPass, node_value, register_pass
 
 __all__ = ["NoOpEliminationPass"]
 
 aten = torch.ops.aten
 _VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
-
-def _val(n: Any) -> torch.Tensor | None:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _known_eq(a: Any, b: Any) -> bool:
@@ -57,7 +53,7 @@ def _known_contiguous(t: torch.Tensor) -> bool:
 
 
 def _is_noop_slice(node: fx.Node) -> bool:
-    src = _val(node.args[0])
+    src = node_value(node.args[0])
     if src is None:
         return False
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -85,14 +81,14 @@ class NoOpEliminationPass(VattnPass):
             if node.target in _VIEW_OPS:
                 src = node.args[0]
                 inner = src.args[0] if isinstance(src, fx.Node) and src.target in _VIEW_OPS else None
-                inner_val = _val(inner)
+                inner_val = node_value(inner)
                 if inner_val is not None and _known_contiguous(inner_val):
                     node.update_arg(0, inner)
                     if not src.users:
                         graph.erase_node(src)
                     count += 1
                     src = inner
-                a, b = _val(src), _val(node)
+                a, b = node_value(src), node_value(node)
                 if a is not None and b is not None and _same_layout(a, b):
                     node.replace_all_uses_with(src)
                     graph.erase_node(node)

@@ -31,6 +31,7 @@ import sys
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Sequence
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -41,6 +42,7 @@ __all__ = [
     "PostGradPassManager",
     "VattnPass",
     "get_pass_class",
+    "node_value",
     "register_pass",
 ]
 
@@ -55,6 +57,12 @@ BUILTIN_PASSES: dict[str, str] = {
     "unfuse_addmm": "vattn.compile_passes.unfuse_addmm:UnfuseAddmmPass",
 }
 _registered: dict[str, type["VattnPass"]] = {}
+
+
+def node_value(n: Any) -> "torch.Tensor | None":
+    """The (fake) tensor a post-grad graph node produces (``meta["val"]``), or None."""
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def _file_hash(obj: Any) -> str:

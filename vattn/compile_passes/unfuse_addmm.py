@@ -24,21 +24,14 @@ PyTorch (``residual + linear(x)``), instead of once after it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
-from vattn.compile_passes.pass_manager import VattnPass, register_pass
+from vattn.compile_passes.pass_manager import VattnPass, node_value, register_pass
 
 __all__ = ["UnfuseAddmmPass"]
 
 aten = torch.ops.aten
-
-
-def _val(n: Any) -> torch.Tensor | None:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 @register_pass
@@ -55,13 +48,13 @@ class UnfuseAddmmPass(VattnPass):
             if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
                 continue
             inp, mat1, mat2 = node.args[:3]
-            inp_val, out_val = _val(inp), _val(node)
+            inp_val, out_val = node_value(inp), node_value(node)
             if inp_val is None or out_val is None or inp_val.dim() != 2 or inp_val.device.type == "cpu":
                 continue
             with graph.inserting_before(node):
                 mm = graph.call_function(aten.mm.default, (mat1, mat2))
                 add = graph.call_function(aten.add.Tensor, (mm, inp))
-            m1, m2 = _val(mat1), _val(mat2)
+            m1, m2 = node_value(mat1), node_value(mat2)
             if m1 is not None and m2 is not None:
                 mm.meta["val"] = aten.mm.default(m1, m2)  # fake tensors: shapes only
             add.meta["val"] = out_val
