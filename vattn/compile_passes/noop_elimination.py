@@ -29,7 +29,6 @@ aten = torch.ops.aten
 _VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-
 def _known_eq(a: Any, b: Any) -> bool:
     return a is b or statically_known_true(a == b)
 
