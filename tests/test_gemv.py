@@ -81,6 +81,32 @@ def test_kernel_norm_and_residual_match_float32(n: int, k: int, block_n: int, bl
     assert torch.all(out[:, n:] == 7.0)
 
 
+def test_default_tiles_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H100 tiles by default (and off CUDA); an H200 gets its own table (shorter K steps for the
+    fused QKV / gate-up projections and the down projection, 4 rows for the LM head), each a
+    valid RoPE tile (a power of two of at least 2 rows)."""
+    shapes = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+              "lm_head": (128256, 2048)}
+    h100 = {"qkv": (4, 2048, 8), "o": (4, 2048, 8), "gate_up": (4, 2048, 8), "down": (4, 4096, 8),
+            "lm_head": (8, 2048, 8)}
+    h200 = {"qkv": (8, 1024, 8), "o": (4, 2048, 8), "gate_up": (4, 1024, 4), "down": (4, 2048, 8),
+            "lm_head": (4, 2048, 8)}
+    for name, (n, k) in shapes.items():
+        assert triton_gemv.default_tiles(n, k, torch.device("cpu")) == h100[name]
+    names = iter(["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    triton_gemv._gpu_tiles.cache_clear()
+    try:
+        for name, (n, k) in shapes.items():
+            tiles = triton_gemv.default_tiles(n, k, torch.device("cuda", 0))
+            assert tiles == h200[name]
+            assert tiles[0] >= 2 and tiles[0] & (tiles[0] - 1) == 0 and tiles[2] in (4, 8)
+        for name, (n, k) in shapes.items():  # another GPU: its own lookup, H100 tiles
+            assert triton_gemv.default_tiles(n, k, torch.device("cuda", 1)) == h100[name]
+    finally:
+        triton_gemv._gpu_tiles.cache_clear()
+
+
 def test_kernel_rejects_silu_mul_with_norm() -> None:
     x, w = torch.randn(1, 8), torch.randn(4, 4)
     with pytest.raises(ValueError, match="exclusive"):

@@ -33,13 +33,16 @@ a batch-1 step of the Llama-3.2-1B shape; replay 0.873 -> 0.861 ms on an H100).
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from vattn.ops.triton_launch import FastLaunch, next_power_of_2
 
-__all__ = ["gemv"]
+__all__ = ["default_tiles", "gemv"]
 
 
 @triton.jit
@@ -170,6 +173,49 @@ def _gemv_kernel(
 
 _launch = FastLaunch(_gemv_kernel)
 
+#: Default tiles ``(block_n, block_k, num_warps)`` by GPU name (``torch.cuda.get_device_name``), as
+#: a function of the weight's (N, K); other GPUs use ``_h100_tiles``. Measured on the
+#: Llama-3.2-1B decode step (FULL CUDA graph, batch 1, 16 layers), one GPU each:
+#: ``benchmarks/results/profile-gemv-tiles-*``.
+_TILES_BY_GPU: dict[str, Callable[[int, int], tuple[int, int, int]]] = {}
+
+
+def _h100_tiles(n: int, k: int) -> tuple[int, int, int]:
+    """H100 (and the default): 4 rows a program (8 for an LM head), whole 2048-wide K steps
+    (4096 from K = 8192), 8 warps."""
+    return (8 if n >= 65536 else 4), (4096 if k >= 8192 else 2048), 8
+
+
+def _h200_tiles(n: int, k: int) -> tuple[int, int, int]:
+    """H200: shorter K steps for the fused QKV and gate/up projections and the down
+    projection, 4 rows a program for an LM head. The 1B model's batch-1 replay 0.739 -> 0.725
+    ms, with the LM head and greedy sampling 0.883 -> 0.863 ms; the same tiles on an H100
+    cost it 0.882 -> 0.899 ms."""
+    if n >= 65536:  # an LM head
+        return 4, 2048, 8
+    if k >= 8192:  # a down projection
+        return 4, 2048, 8
+    if n >= 8 * k:  # a fused gate/up projection
+        return 4, 1024, 4
+    if n > k:  # a fused QKV projection
+        return 8, 1024, 8
+    return 4, 2048, 8
+
+
+_TILES_BY_GPU["NVIDIA H200"] = _h200_tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_tiles(device: torch.device) -> Callable[[int, int], tuple[int, int, int]]:
+    if device.type != "cuda":
+        return _h100_tiles
+    return _TILES_BY_GPU.get(torch.cuda.get_device_name(device), _h100_tiles)
+
+
+def default_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` ``gemv`` uses for an (N, K) weight on ``device``."""
+    return _gpu_tiles(device)(n, k)
+
 
 def gemv(
     x: torch.Tensor,
@@ -187,7 +233,7 @@ def gemv(
     pdl: bool = False,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
 ) -> None:
     """``out = x @ weight.T`` for one row, into ``out``; optionally SwiGLU or RMSNorm on ``x``
     first and a residual added after.
@@ -213,19 +259,19 @@ def gemv(
         rope_unsigned_sin: ``rope_sin`` is the plain table of ``transformers``' rotate-half
             form, ``y * cos + cat(-y2, y1) * sin``: the kernel negates its first half.
         pdl: launch with programmatic dependent launch (sm_90+; see the module docstring).
-        block_n / block_k / num_warps: output features per program (default 8 for N >= 65536,
-            an LM head; else 4), inputs per step (default 4096 for K >= 8192, else 2048; at
-            most K rounded up to a power of two), warps. The defaults were the fastest on an
-            H100 for the Llama-3.2-1B projections in a dependent chain and its LM head
-            (``benchmarks/bench_gemv.py``).
+        block_n / block_k / num_warps: output features per program, inputs per step (at most
+            K rounded up to a power of two), warps. Defaults: ``default_tiles(N, K, device)``,
+            per GPU: on an H100 (and GPUs without a table of their own) 8 rows for N >= 65536
+            (an LM head), else 4; K steps of 4096 from K = 8192, else 2048; 8 warps, the fastest
+            there for the Llama-3.2-1B projections in a dependent chain and its LM head
+            (``benchmarks/bench_gemv.py``); an H200 has its own table (``_h200_tiles``).
     """
     if silu_mul and norm_weight is not None:
         raise ValueError("gemv: silu_mul and norm_weight are exclusive (one input transform).")
     n, k = weight.shape
-    if block_n is None:
-        block_n = 8 if n >= 65536 else 4
-    if block_k is None:
-        block_k = 4096 if k >= 8192 else 2048
+    if block_n is None or block_k is None or num_warps is None:
+        tiles = default_tiles(n, k, weight.device)
+        block_n, block_k, num_warps = block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2]
     rope_dim = _check_rope(rope_cos, rope_sin, rope_cols, n, block_n, residual)
     _launch[(triton.cdiv(n, block_n),)](
         x, weight, out, residual if residual is not None else out,
