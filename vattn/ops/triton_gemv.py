@@ -173,12 +173,6 @@ def _gemv_kernel(
 
 _launch = FastLaunch(_gemv_kernel)
 
-#: Default tiles ``(block_n, block_k, num_warps)`` by GPU name (``torch.cuda.get_device_name``), as
-#: a function of the weight's (N, K); other GPUs use ``_h100_tiles``. Measured on the
-#: Llama-3.2-1B decode step (FULL CUDA graph, batch 1, 16 layers), one GPU each:
-#: ``benchmarks/results/profile-gemv-tiles-*``.
-_TILES_BY_GPU: dict[str, Callable[[int, int], tuple[int, int, int]]] = {}
-
 
 def _h100_tiles(n: int, k: int) -> tuple[int, int, int]:
     """H100 (and the default): 4 rows a program (8 for an LM head), whole 2048-wide K steps
@@ -187,22 +181,19 @@ def _h100_tiles(n: int, k: int) -> tuple[int, int, int]:
 
 
 def _h200_tiles(n: int, k: int) -> tuple[int, int, int]:
-    """H200: shorter K steps for the fused QKV and gate/up projections and the down
-    projection, 4 rows a program for an LM head. The 1B model's batch-1 replay 0.739 -> 0.725
-    ms, with the LM head and greedy sampling 0.883 -> 0.863 ms; the same tiles on an H100
-    cost it 0.882 -> 0.899 ms."""
-    if n >= 65536:  # an LM head
+    """H200: K steps of 1024 for the fused QKV and gate/up projections, 2048 for the rest, 4 rows
+    a program for an LM head too. The 1B model's batch-1 replay 0.739 -> 0.725 ms, with the LM
+    head and greedy sampling 0.883 -> 0.863 ms; the same tiles on an H100 cost it 0.882 -> 0.899 ms."""
+    if n >= 65536 or k >= 8192 or n <= k:  # an LM head, a down projection, o_proj
         return 4, 2048, 8
-    if k >= 8192:  # a down projection
-        return 4, 2048, 8
-    if n >= 8 * k:  # a fused gate/up projection
-        return 4, 1024, 4
-    if n > k:  # a fused QKV projection
-        return 8, 1024, 8
-    return 4, 2048, 8
+    return (4, 1024, 4) if n >= 8 * k else (8, 1024, 8)  # fused gate/up, fused QKV
 
 
-_TILES_BY_GPU["NVIDIA H200"] = _h200_tiles
+#: Default tiles ``(block_n, block_k, num_warps)`` by GPU name (``torch.cuda.get_device_name``), as
+#: a function of the weight's (N, K); other GPUs use ``_h100_tiles``. Measured on the
+#: Llama-3.2-1B decode step (FULL CUDA graph, batch 1, 16 layers), one GPU each:
+#: ``benchmarks/results/profile-gemv-tiles-*``.
+_TILES_BY_GPU: dict[str, Callable[[int, int], tuple[int, int, int]]] = {"NVIDIA H200": _h200_tiles}
 
 
 @functools.lru_cache(maxsize=None)
