@@ -477,9 +477,12 @@ assert "cvt.rn.f16x2.e5m2x2" in fp8_e5m2.asm["ptx"]
 # iterations (a ``cp.async.wait_group 0`` inside the loop would serialise them).
 for k in (decode, fused):
     assert "cp.async.wait_group 	2" in k.asm["ptx"] or "cp.async.wait_group 2" in k.asm["ptx"]
-compile_(_combine_splits_kernel, dict(out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
-         cu_q_ptr="*i32", out_scale_ptr="*fp32"), dict(stride_od=1, NUM_Q_HEADS=32, HEAD_SIZE=128,
-         HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0, LAUNCH_DEPENDENTS=True), 4, 1)
+combine = compile_(_combine_splits_kernel, dict(out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
+                   cu_q_ptr="*i32", out_scale_ptr="*fp32"), dict(stride_od=1, NUM_Q_HEADS=32, HEAD_SIZE=128,
+                   HEAD_PAD=128, NUM_SPLITS=64, OUT_FP8=False, FP8_OUT_MAX=0.0, FP8_ROUND_FIX=0,
+                   LAUNCH_DEPENDENTS=True, WAIT=True, EARLY_DEPENDENTS=True), 4, 1)
+ptx = combine.asm["ptx"]  # the output projection may start while attention runs, before the combine waits
+assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
 compile_(_store_kv_kernel, {n: "*fp32" for n in _store_kv_kernel.arg_names if n.endswith("_ptr")}
          | dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*fp8e5", value_cache_ptr="*fp8e5",
                 slot_ptr="*i64"),

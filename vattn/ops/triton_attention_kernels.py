@@ -471,14 +471,19 @@ def _combine_splits_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_OUT_MAX: tl.constexpr,
     FP8_ROUND_FIX: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT: tl.constexpr = False,
+    EARLY_DEPENDENTS: tl.constexpr = False,
 ):
     """Merge split partials of one (token, head): ``sum_s 2^lse_s o_s / sum_s 2^lse_s``.
 
     ``WAIT``: launched with programmatic dependent launch, wait for the attention kernel's
-    partials first."""
+    partials first. ``EARLY_DEPENDENTS`` (with ``WAIT``): let the next kernel start before that
+    wait, while attention runs; it waits for this kernel's output itself. Splits that saw no
+    key (``lse = -inf``) are not read."""
+    if LAUNCH_DEPENDENTS and EARLY_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     if WAIT:
         tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:
+    if LAUNCH_DEPENDENTS and not EARLY_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -491,7 +496,7 @@ def _combine_splits_kernel(
     m = tl.reduce(lse, 0, _MAX)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :])
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=(w > 0.0)[:, None], other=0.0)
     denom = tl.reduce(w, 0, _SUM)
     o = tl.reduce(o * w[:, None], 0, _SUM) / tl.where(denom > 0.0, denom, 1.0)
     if OUT_FP8:

@@ -59,6 +59,13 @@ COMBINE_PDL: bool = True
 while attention runs and waits (``gdc_wait``) for the partials, so its launch overlaps the
 attention kernel (batch-1 step 0.916 -> 0.912 ms, H100)."""
 
+COMBINE_EARLY_DEPENDENTS: bool = True
+"""Let the kernel after the combine start (PDL) before the combine waits for attention, not after:
+vattn's GEMV for the output projection then loads its weights while attention still runs (it
+waits for the combine's output itself). Batch-1 FULL replay of the Llama-3.2-1B step on an
+H200: 0.737 -> 0.728 ms at context 512, 0.751 -> 0.737 ms at 1024, 0.781 -> 0.777 ms at 4096
+(``benchmarks/results/profile-combine-early-*``)."""
+
 FP8_V_ASM: bool = True
 """Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
 
@@ -457,5 +464,6 @@ def unified_attention(
             num_seqs, num_tokens, *out.stride(),
             NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=hp, NUM_SPLITS=splits,
             OUT_FP8=out_fp8, FP8_OUT_MAX=fp8_out_max, FP8_ROUND_FIX=round_fix, LAUNCH_DEPENDENTS=pdl,
-            WAIT=pdl and COMBINE_PDL, num_warps=4, launch_pdl=pdl and COMBINE_PDL,
+            WAIT=pdl and COMBINE_PDL, EARLY_DEPENDENTS=pdl and COMBINE_PDL and COMBINE_EARLY_DEPENDENTS,
+            num_warps=4, launch_pdl=pdl and COMBINE_PDL,
         )
