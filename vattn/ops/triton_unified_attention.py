@@ -62,9 +62,9 @@ attention kernel (batch-1 step 0.916 -> 0.912 ms, H100)."""
 COMBINE_EARLY_DEPENDENTS: bool = True
 """Let the kernel after the combine start (PDL) before the combine waits for attention, not after:
 vattn's GEMV for the output projection then loads its weights while attention still runs (it
-waits for the combine's output itself). Batch-1 FULL replay of the Llama-3.2-1B step on an
-H200: 0.737 -> 0.728 ms at context 512, 0.751 -> 0.737 ms at 1024, 0.781 -> 0.777 ms at 4096
-(``benchmarks/results/profile-combine-early-*``)."""
+waits for the combine's output itself). Batch-1 FULL replay of the Llama-3.2-1B step: H200
+0.739 -> 0.731 ms at context 512, 0.751 -> 0.737 ms at 1024, 0.782 -> 0.780 ms at 4096; H100
+0.882 -> 0.871 ms at 512 (``benchmarks/results/profile-combine-early-*``)."""
 
 FP8_V_ASM: bool = True
 """Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
