@@ -250,6 +250,26 @@ def test_cudagraph_engine_matches_eager_cuda(compile_model: bool) -> None:
                                        b.output_token_ids, a.output_token_ids, f"cudagraph request {b.req_id}")
 
 
+@pytest.mark.cuda
+def test_greedy_head_graphs_same_tokens_cuda() -> None:
+    """Greedy decode steps replayed from full graphs sample from CUDA graphs of the LM head and
+    ``greedy`` (``Engine._greedy_from_graph``, captured the second time a batch size comes): the
+    tokens equal those of the same engine sampling eagerly (``record_logits`` keeps it eager)."""
+    hf = make_hf(CONFIGS["llama-gqa"], dtype=torch.bfloat16, device="cuda")
+    model, cfg, kv = make_vattn(hf, dtype=torch.bfloat16, device="cuda")
+    runner = vattn.CUDAGraphRunner(model, cfg, kv, max_batch_size=8, max_model_len=128,
+                                   mode=vattn.CUDAGraphMode.FULL, show_progress=False)
+    runs = {}
+    for eager_head in (True, False):
+        engine = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, graph_runner=runner,
+                        record_logits=eager_head)
+        reqs, _ = run_engine(engine)
+        runs[eager_head] = ([r.output_token_ids for r in reqs], engine._head_graphs)
+    assert runs[False][0] == runs[True][0]
+    assert not runs[True][1], "record_logits must keep sampling eager"
+    assert any(v is not None for v in runs[False][1].values()), "no greedy head graph was captured"
+
+
 # ---- the generation loop's own invariants ------------------------------------------------------
 
 

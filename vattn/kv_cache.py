@@ -230,6 +230,14 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _as_int_array(name: str, values: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(values, (list, tuple)):
+        try:  # Python's min over a short list of ints costs the host less than a numpy reduction
+            low = min(values, default=0)
+            fast = low >= 0
+        except TypeError:  # not a flat list of numbers: the general path below says what is wrong
+            fast = False
+        if fast:
+            return np.array(values, dtype=np.int64)
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     out = np.asarray(values, dtype=np.int64).reshape(-1)
@@ -256,10 +264,16 @@ def _block_table_array(
         lists = list(block_tables)
         if len(lists) < b:
             raise ValueError(f"block_tables has {len(lists)} rows for {b} requests; give one row per request.")
-        rows = np.array([len(r) for r in lists[:b]], dtype=np.int64)
-        arr = np.zeros((b, int(rows.max(initial=1))), dtype=np.int64)
-        for r in range(b):
-            arr[r, : rows[r]] = lists[r]
+        lists = lists[:b]
+        lens = [len(r) for r in lists]
+        w = max(max(lens, default=1), 1)
+        if b and all(n == w for n in lens):  # every row full: one conversion, no per-row copies
+            arr = np.array(lists, dtype=np.int64).reshape(b, w)
+        else:
+            arr = np.zeros((b, w), dtype=np.int64)
+            for r in range(b):
+                arr[r, : lens[r]] = lists[r]
+        rows = np.array(lens, dtype=np.int64)
     if width is not None:
         if (rows > width).any() and not isinstance(block_tables, (torch.Tensor, np.ndarray)):
             raise ValueError(f"max_blocks_per_req={width} is smaller than the longest block table row ({rows.max()}).")
@@ -343,12 +357,18 @@ def build_common_attn_metadata(
             f"the real {num_tokens} tokens / {b} requests."
         )
     # Padded requests: one padded token each while any remain, else none.
-    pad_q = (np.arange(b_pad - b) < t_pad - num_tokens).astype(np.int64)
-    all_q = np.concatenate([qlens, pad_q]) if b_pad > b else qlens
+    if b_pad > b:
+        pad_q = (np.arange(b_pad - b) < t_pad - num_tokens).astype(np.int64)
+        all_q = np.concatenate([qlens, pad_q])
+    else:
+        pad_q, all_q = qlens[:0], qlens
     qsl = np.zeros(b_pad + 1, dtype=np.int32)
     np.cumsum(all_q, out=qsl[1:])
-    full_table = np.zeros((b_pad, max(table.shape[1], 1)), dtype=np.int32)
-    full_table[:b, : table.shape[1]] = table
+    if b_pad == b and table.shape[1]:
+        full_table = table.astype(np.int32)
+    else:
+        full_table = np.zeros((b_pad, max(table.shape[1], 1)), dtype=np.int32)
+        full_table[:b, : table.shape[1]] = table
 
     slot = np.full(t_pad, -1, dtype=np.int64)
     if max_query_len == 1 and num_tokens == b:  # one token each (decodes): at the computed count
@@ -366,7 +386,8 @@ def build_common_attn_metadata(
         query_start_loc_cpu=qsl_cpu,
         seq_lens=seq_dev,
         seq_lens_cpu=seq_cpu,
-        num_computed_tokens_cpu=torch.from_numpy(np.concatenate([computed, np.zeros(b_pad - b, np.int64)]).astype(np.int32)),
+        num_computed_tokens_cpu=torch.from_numpy(
+            (np.concatenate([computed, np.zeros(b_pad - b, np.int64)]) if b_pad > b else computed).astype(np.int32)),
         num_reqs=b_pad,
         num_actual_tokens=num_tokens,
         max_query_len=max_query_len,
