@@ -342,8 +342,8 @@ class Engine:
         self._pin = self.device.type == "cuda"
         self.step_count = 0
         self._next_id = 0
-        # Greedy sampling of FULL-graph decode steps replayed from CUDA graphs of their own
-        # (``_greedy_from_graph``): key -> (graph, its (t,) tokens), or None when seen once.
+        # Greedy sampling of one-row FULL-graph decode steps replayed from a CUDA graph of its own
+        # (``_greedy_from_graph``): key -> (graph, its (1,) token), or None when seen once.
         self._head_graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self._head_pool = None
 
@@ -455,18 +455,19 @@ class Engine:
                          time.perf_counter() - start)
 
     def _greedy_from_graph(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Greedy tokens of every row of ``hidden`` ((t,) int64), replayed from a CUDA graph of
+        """The greedy token of a one-row ``hidden`` ((1,) int64), replayed from a CUDA graph of
         the LM head and ``greedy``; None where that does not apply (the caller then runs them).
 
         Only for steps the graph runner replayed from a FULL graph: ``hidden`` is then a slice
-        of that graph's output, at the same address every time the batch has this size. Eagerly
-        the LM head and the argmax are about ten launches of host work a step (0.16 ms on an H200
-        host at batch 1), one graph replay instead. A batch size seen for the first time runs
-        eagerly (which also compiles what it launches); the second time it is captured into a
-        graph of its own (memory: the logits of ``t`` rows, shared by all such graphs)."""
+        of that graph's output, at the same address every step. Eagerly the LM head and the
+        argmax are about ten launches, 0.16 ms of host time a step on an H200 host, one graph
+        replay instead: a batch-1 step, short enough for a slow host to bound it, then is not.
+        One row only: at batch 64 the step is GPU-bound and the graph made it slower (1.566 ->
+        1.587 ms, H200; ``profile-head-graph``). The first such step runs eagerly (which also
+        compiles what it launches); the second captures the graph."""
         runner = self.graph_runner
         bd = getattr(runner, "last_batch_descriptor", None)
-        if not (hidden.is_cuda and bd is not None and bd.mode is vattn.CUDAGraphMode.FULL):
+        if not (hidden.is_cuda and hidden.shape[0] == 1 and bd is not None and bd.mode is vattn.CUDAGraphMode.FULL):
             return None
         key = (hidden.data_ptr(), tuple(hidden.shape), hidden.stride(), hidden.dtype)
         entry = self._head_graphs.get(key, False)

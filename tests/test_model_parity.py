@@ -252,8 +252,8 @@ def test_cudagraph_engine_matches_eager_cuda(compile_model: bool) -> None:
 
 @pytest.mark.cuda
 def test_greedy_head_graphs_same_tokens_cuda() -> None:
-    """Greedy decode steps replayed from full graphs sample from CUDA graphs of the LM head and
-    ``greedy`` (``Engine._greedy_from_graph``, captured the second time a batch size comes): the
+    """Greedy one-request decode steps replayed from full graphs sample from a CUDA graph of the LM
+    head and ``greedy`` (``Engine._greedy_from_graph``, captured on the second such step): the
     tokens equal those of the same engine sampling eagerly (``record_logits`` keeps it eager)."""
     hf = make_hf(CONFIGS["llama-gqa"], dtype=torch.bfloat16, device="cuda")
     model, cfg, kv = make_vattn(hf, dtype=torch.bfloat16, device="cuda")
@@ -263,7 +263,9 @@ def test_greedy_head_graphs_same_tokens_cuda() -> None:
     for eager_head in (True, False):
         engine = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, graph_runner=runner,
                         record_logits=eager_head)
-        reqs, _ = run_engine(engine)
+        reqs, _ = run_engine(engine)  # batches of several requests (eager sampling) ...
+        reqs.append(engine.add_request(prompts()[0][0], SamplingParams(max_tokens=6)))
+        engine.run()  # ... then one request alone: one-row steps
         runs[eager_head] = ([r.output_token_ids for r in reqs], engine._head_graphs)
     assert runs[False][0] == runs[True][0]
     assert not runs[True][1], "record_logits must keep sampling eager"
