@@ -462,8 +462,8 @@ class Engine:
         of that graph's output, at the same address every step. Eagerly the LM head and the
         argmax are about ten launches, 0.16 ms of host time a step on an H200 host, one graph
         replay instead: a batch-1 step, short enough for a slow host to bound it, then is not.
-        One row only: at batch 64 the step is GPU-bound and the graph made it slower (1.566 ->
-        1.587 ms, H200; ``profile-head-graph``). The first such step runs eagerly (which also
+        One row only: at batch 64 the step is GPU-bound and the graph made it slower (1.565 - 1.570
+        -> 1.587 ms, H200; ``profile-head-graph``). The first such step runs eagerly (which also
         compiles what it launches); the second captures the graph."""
         runner = self.graph_runner
         bd = getattr(runner, "last_batch_descriptor", None)
