@@ -431,7 +431,7 @@ class Engine:
             temp = torch.tensor([r.sampling.temperature for r in samplers], device=self.device)
             top_p = torch.tensor([r.sampling.top_p for r in samplers], device=self.device)
         sampled = None
-        if temp is None and not self.record_logits and isinstance(rows, slice):
+        if temp is None and not self.record_logits and self.token_sync is None and isinstance(rows, slice):
             sampled = self._greedy_from_graph(hidden)
         if sampled is None:
             logits = self.model.compute_logits(hidden[rows])
@@ -458,12 +458,13 @@ class Engine:
         """The greedy token of a one-row ``hidden`` ((1,) int64), replayed from a CUDA graph of
         the LM head and ``greedy``; None where that does not apply (the caller then runs them).
 
-        Only for steps the graph runner replayed from a FULL graph: ``hidden`` is then a slice
-        of that graph's output, at the same address every step. Eagerly the LM head and the
-        argmax are about ten launches, 0.16 ms of host time a step on an H200 host, one graph
-        replay instead: a batch-1 step, short enough for a slow host to bound it, then is not.
-        One row only: at batch 64 the step is GPU-bound and the graph made it slower (1.565 - 1.570
-        -> 1.587 ms, H200; ``profile-head-graph``). The first such step runs eagerly (which also
+        Only for steps the graph runner replayed from a FULL graph, whose ``hidden`` is a slice
+        of that graph's output at the same address every step, and without ``token_sync`` (a
+        tensor-parallel LM head gathers across ranks). Eagerly the LM head and the argmax are
+        about ten launches, 0.16 ms of host time a step on an H200 host, one graph replay
+        instead: a batch-1 step, short enough for a slow host to bound it, then is not. One row
+        only: at batch 64 the step is GPU-bound and the graph made it slower (1.565 - 1.570 ->
+        1.587 ms, H200; ``profile-head-graph``). The first such step runs eagerly (which also
         compiles what it launches); the second captures the graph."""
         runner = self.graph_runner
         bd = getattr(runner, "last_batch_descriptor", None)

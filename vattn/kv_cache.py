@@ -232,9 +232,8 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 def _as_int_array(name: str, values: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(values, (list, tuple)):
         try:  # Python's min over a short list of ints costs the host less than a numpy reduction
-            low = min(values, default=0)
-            fast = low >= 0
-        except TypeError:  # not a flat list of numbers: the general path below says what is wrong
+            fast = bool(min(values, default=0) >= 0)
+        except (TypeError, ValueError):  # not a flat list of numbers: the general path below handles it
             fast = False
         if fast:
             return np.array(values, dtype=np.int64)
