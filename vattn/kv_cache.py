@@ -356,11 +356,10 @@ def build_common_attn_metadata(
             f"the real {num_tokens} tokens / {b} requests."
         )
     # Padded requests: one padded token each while any remain, else none.
+    all_q = qlens
     if b_pad > b:
         pad_q = (np.arange(b_pad - b) < t_pad - num_tokens).astype(np.int64)
         all_q = np.concatenate([qlens, pad_q])
-    else:
-        pad_q, all_q = qlens[:0], qlens
     qsl = np.zeros(b_pad + 1, dtype=np.int32)
     np.cumsum(all_q, out=qsl[1:])
     if b_pad == b and table.shape[1]:
