@@ -501,6 +501,13 @@ assert "griddepcontrol.launch_dependents" in gemv_norm.asm["ptx"]  # the next ke
 assert "griddepcontrol.launch_dependents" not in gemv_rope.asm["ptx"]  # ... but not attention after RoPE
 compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=False, RESIDUAL=False,
                                        ROPE_DIM=128, USE_PDL=True, UNSIGNED_SIN=True), 8, 1)
+from vattn.ops.triton_argmax import _chunk_argmax_kernel, _row_argmax_kernel
+chunk_argmax = compile_(_chunk_argmax_kernel, dict(x_ptr="*bf16", key_ptr="*i32", idx_ptr="*i32"),
+                        dict(BLOCK=4096, USE_PDL=True), 4, 1)
+row_argmax = compile_(_row_argmax_kernel, dict(key_ptr="*i32", idx_ptr="*i32", out_ptr="*i64"),
+                      dict(CHUNKS=32, USE_PDL=True), 1, 1)
+ptx = chunk_argmax.asm["ptx"]  # the logits are read after the wait for the LM head
+assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global") and "griddepcontrol.wait" in row_argmax.asm["ptx"]
 ttgir = prefill.asm["ttgir"]
 print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
 """
