@@ -419,6 +419,33 @@ def test_persistent_buffers_emulate_graph_replay() -> None:
     check_cache_untouched(before, replay.kv_cache, replay.common.slot_mapping)
 
 
+@pytest.mark.parametrize("b,bk,t,width", [(3, 5, 5, 4), (1, 1, 1, 33), (64, 64, 64, 40), (2, 2, 7, 1)])
+def test_copy_decode_metadata_matches_the_copies(b: int, bk: int, t: int, width: int) -> None:
+    """The one-launch metadata copy (what the CUDA builder runs before a replay) writes what
+    the per-array copies and padding fills write, into a wider block-table buffer, and no
+    entry past the batch's."""
+    meta = triton_modules.load(["vattn.ops.triton_metadata"])["vattn.ops.triton_metadata"]
+    g = torch.Generator().manual_seed(b * 100 + width)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), torch.randint(1, 4, (b,), generator=g).cumsum(0).int()])
+    seq = torch.randint(1, 500, (b,), generator=g, dtype=torch.int32)
+    slots = torch.randint(0, 10_000, (t,), generator=g)
+    bt = torch.randint(0, 900, (b + 2, width), generator=g, dtype=torch.int32)[:b]  # rows of a taller table
+    bufs = [torch.full((bk + 3,), -7, dtype=torch.int32), torch.full((bk + 2,), -7, dtype=torch.int32),
+            torch.full((t + 2,), -7, dtype=torch.int64), torch.full((bk + 1, width + 5), -7, dtype=torch.int32)]
+    want = [x.clone() for x in bufs]
+    want[0][: b + 1] = qsl
+    want[0][b + 1 : bk + 1] = qsl[b]
+    want[1][:b] = seq
+    want[1][b:bk] = 0
+    want[2][:t] = slots
+    want[3][:b, :width] = bt
+    qsl, seq, slots, bt = (x.to(DEV) for x in (qsl, seq, slots, bt))
+    bufs = [x.to(DEV) for x in bufs]
+    meta.copy_decode_metadata(qsl, seq, slots, bt, bufs[0][: bk + 1], bufs[1][:bk], bufs[2][:t], bufs[3][:b, :width])
+    for got, exp in zip(bufs, want):
+        assert torch.equal(got.cpu(), exp)
+
+
 def test_capture_grows_persistent_buffers_first() -> None:
     cfg = VattnConfig(compilation=CompilationConfig(max_capture_size=4, cudagraph_capture_sizes=(4,)))
     batch = make_random_batch(BatchSpec(context_lens=(3,) * 6, query_lens=(1,) * 6, **SMALL), seed=15)
@@ -508,6 +535,9 @@ row_argmax = compile_(_row_argmax_kernel, dict(key_ptr="*i32", idx_ptr="*i32", o
                       dict(CHUNKS=32, USE_PDL=True), 1, 1)
 ptx = chunk_argmax.asm["ptx"]  # the logits are read after the wait for the LM head
 assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global") and "griddepcontrol.wait" in row_argmax.asm["ptx"]
+from vattn.ops.triton_metadata import _copy_metadata_kernel
+compile_(_copy_metadata_kernel, dict(qsl_src="*i32", qsl_dst="*i32", seq_src="*i32", seq_dst="*i32",
+         slot_src="*i64", slot_dst="*i64", bt_src="*i32", bt_dst="*i32"), dict(BLOCK=128), 4, 1)
 ttgir = prefill.asm["ttgir"]
 print("WGMMA" if "warp_group_dot" in ttgir else "NO-WGMMA", "SMEM", decode.metadata.shared, prefill.metadata.shared)
 """

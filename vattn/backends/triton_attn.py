@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vattn.backends.triton_attn")
 
+#: Write a step's metadata into the persistent (CUDA-graph) buffers with one kernel
+#: (``vattn.ops.triton_metadata``) instead of one copy per array; False: ``copy_`` each.
+FUSED_METADATA_COPY = True
+
 __all__ = [
     "TritonAttentionBackend",
     "TritonAttentionImpl",
@@ -187,12 +191,14 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vattn_config, device)
+        from vattn.ops.triton_metadata import copy_decode_metadata
         from vattn.ops.triton_unified_attention import (
             default_max_split_rows,
             device_num_sms,
             split_scratch_numel,
         )
 
+        self._copy_metadata = copy_decode_metadata
         comp = vattn_config.compilation
         layers = comp.static_forward_context
         heads = [getattr(layers.get(n), "num_heads", None) for n in layer_names]
@@ -258,13 +264,19 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         if self._fits(cm):
             bk = max(num_tokens, b)
             bt = cm.block_table_tensor
-            self._qsl[: b + 1].copy_(cm.query_start_loc[: b + 1], non_blocking=True)
-            self._seq_lens[:b].copy_(cm.seq_lens[:b], non_blocking=True)
-            if bk > b:  # padded requests (a launch each; none for a batch of exactly bk requests)
-                self._qsl[b + 1 : bk + 1].fill_(int(cm.query_start_loc_cpu[b]))
-                self._seq_lens[b:bk].fill_(0)
-            self._slots[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
-            self._block_table[:b, : bt.shape[1]].copy_(bt[:b], non_blocking=True)
+            if self.device.type == "cuda" and FUSED_METADATA_COPY and bt.stride(1) == 1:
+                # One launch instead of four to six copies (vattn.ops.triton_metadata).
+                self._copy_metadata(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, bt[:b],
+                                     self._qsl[: bk + 1], self._seq_lens[:bk], self._slots[:num_tokens],
+                                     self._block_table[:b, : bt.shape[1]])
+            else:
+                self._qsl[: b + 1].copy_(cm.query_start_loc[: b + 1], non_blocking=True)
+                self._seq_lens[:b].copy_(cm.seq_lens[:b], non_blocking=True)
+                if bk > b:  # padded requests (a launch each; none for a batch of exactly bk requests)
+                    self._qsl[b + 1 : bk + 1].fill_(int(cm.query_start_loc_cpu[b]))
+                    self._seq_lens[b:bk].fill_(0)
+                self._slots[:num_tokens].copy_(cm.slot_mapping, non_blocking=True)
+                self._block_table[:b, : bt.shape[1]].copy_(bt[:b], non_blocking=True)
             qsl, seq_lens = self._qsl[: bk + 1], self._seq_lens[:bk]
             block_table, slots = self._block_table[:bk], self._slots[:num_tokens]
         else:
