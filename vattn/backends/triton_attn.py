@@ -264,7 +264,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         if self._fits(cm):
             bk = max(num_tokens, b)
             bt = cm.block_table_tensor
-            if self.device.type == "cuda" and FUSED_METADATA_COPY and bt.stride(1) == 1:
+            if (FUSED_METADATA_COPY and self.device.type == "cuda" and bt.stride(1) == 1 and bt.is_cuda
+                    and cm.query_start_loc.is_cuda and cm.seq_lens.is_cuda and cm.slot_mapping.is_cuda):
                 # One launch instead of four to six copies (vattn.ops.triton_metadata).
                 self._copy_metadata(cm.query_start_loc, cm.seq_lens, cm.slot_mapping, bt[:b],
                                      self._qsl[: bk + 1], self._seq_lens[:bk], self._slots[:num_tokens],

@@ -33,7 +33,6 @@ __all__ = ["argmax"]
 #: Logits a program of the first kernel reads (one load each).
 _BLOCK = 4096
 _INT32_MAX = 2**31 - 1
-_INT32_MIN = -(2**31)
 
 
 @triton.jit
