@@ -15,8 +15,9 @@ vocab 128256, tied embeddings), random weights, bf16. For each batch size and co
 | hf-eager | ``transformers`` ``generate`` with its dynamic cache (sdpa attention) |
 | hf-static-compile | ``generate`` with a ``StaticCache`` (which auto-compiles the decode forward, reduce-overhead) |
 
-vattn step times are the engine's own (schedule + metadata + forward + logits + sampling),
-median over the steps where every request decodes, with the engine's async scheduling (each
+vattn step times are the engine's own (schedule + metadata + forward + logits + sampling):
+the period from one step's start to the next one's (what a step adds to a run), median over
+the steps where every request decodes, with the engine's async scheduling (each
 step prepared and launched while the GPU runs the previous one, whose tokens the next step
 reads on the device; ``--sync-scheduling``: one host sync per step instead). Each vattn impl
 also gets an ``<impl>/loop`` row: ``DecodeLoop`` continues the same requests with
@@ -163,18 +164,28 @@ def vattn_decode(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, run
     extra = math.ceil(batch * context / budget) + 2  # decodes that overlap the prefill steps
     for _ in range(batch):
         prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens + extra))
+        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens + extra + 1))  # + the step closing the last period
+    # A decode step's time is the period from its start to the next step's start. With async
+    # scheduling a call returns once the step is launched and the one before it is done, so
+    # its own duration leaves out whatever the caller does between calls (here: bookkeeping)
+    # while the GPU keeps running; the period is the rate tokens come out at.
     decode, lens, prefill_s, prefill_tok = [], [], 0.0, 0
+    pending: tuple[float, float] | None = None  # (start, mean sequence length) of the last decode step
     while len(decode) < new_tokens and engine.scheduler.has_unfinished():
         running = engine.scheduler.running
         seq_len = statistics.mean(r.num_computed_tokens for r in running) + 1 if running else 0.0
+        start = time.perf_counter()
+        if pending is not None:
+            decode.append(start - pending[0])
+            lens.append(pending[1])
+            pending = None
         s = engine.step()
         if s.num_prefill_tokens:
             prefill_s += s.seconds
             prefill_tok += s.num_prefill_tokens
         elif s.num_decode_tokens == batch:
-            decode.append(s.seconds)
-            lens.append(seq_len)
+            pending = (start, seq_len)
+    engine.flush()
     ms = 1e3 * statistics.median(decode)
     return {"ms_per_step": ms, "tok_s": batch * 1e3 / ms, "ms_p10": 1e3 * quantile(decode, 0.1),
             "ms_p90": 1e3 * quantile(decode, 0.9), "decode_steps": len(decode), "kv_len": statistics.mean(lens),
