@@ -30,7 +30,7 @@ from vattn.ops.triton_launch import FastLaunch, next_power_of_2, pdl_supported
 
 __all__ = ["argmax"]
 
-#: Logits a program of the first kernel reads (one load each).
+#: Logits a program of the first kernel reads (one load each: a chunk).
 _BLOCK = 4096
 _INT32_MAX = 2**31 - 1
 
@@ -64,26 +64,17 @@ def _first_max(key, idx):
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, key_ptr, idx_ptr, V, stride_x, num_chunks, chunk,
+def _chunk_argmax_kernel(x_ptr, key_ptr, idx_ptr, V, stride_x, num_chunks,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     c = tl.program_id(0)
     row = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the logits' kernel (the LM head) has finished
         tl.extra.cuda.gdc_launch_dependents()  # the row reduction may launch now (it waits for us)
-    offs = tl.arange(0, BLOCK)
-    lo = c * chunk
-    hi = tl.minimum(lo + chunk, V)
-    best_k = tl.full([BLOCK], -2147483648, tl.int32)
-    best_i = tl.full([BLOCK], 2147483647, tl.int32)
-    for k0 in range(lo, hi, BLOCK):
-        idx = k0 + offs
-        v = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=idx < hi, other=0.0)
-        key = tl.where(idx < hi, _order_key(v), -2147483648)
-        take = key > best_k  # later blocks win only strictly: the first maximum stays
-        best_k = tl.where(take, key, best_k)
-        best_i = tl.where(take, idx, best_i)
-    k, i = _first_max(best_k, best_i)
+    idx = c * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < V
+    v = tl.load(x_ptr + row.to(tl.int64) * stride_x + idx, mask=ok, other=0.0)
+    k, i = _first_max(tl.where(ok, _order_key(v), -2147483648), idx)
     tl.store(key_ptr + row * num_chunks + c, k)
     tl.store(idx_ptr + row * num_chunks + c, i)
 
@@ -133,7 +124,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     chunks = triton.cdiv(vocab, block)
     partial = torch.empty(2, n * chunks, dtype=torch.int32, device=logits.device)
     pdl = pdl_supported(logits.device)
-    _chunks_launch[(chunks, n)](logits, partial[0], partial[1], vocab, logits.stride(0), chunks, block,
+    _chunks_launch[(chunks, n)](logits, partial[0], partial[1], vocab, logits.stride(0), chunks,
                                 BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     _rows_launch[(n,)](partial[0], partial[1], out, chunks, CHUNKS=next_power_of_2(chunks), USE_PDL=pdl,
                        num_warps=1 if chunks <= 32 else 4, launch_pdl=pdl)
