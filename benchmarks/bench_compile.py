@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import vattn  # noqa: E402
+from examples.gemv import OneTokenGemv  # noqa: E402
 from benchmarks import common  # noqa: E402
 from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
 
@@ -79,7 +80,8 @@ def build(layers: int, backend: str | None, num_blocks: int, max_pos: int = 8192
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
                             compilation=vattn.CompilationConfig(compile_sizes=tuple(compile_sizes),
                                                                 inductor_compile_config=dict(inductor_config or {}),
-                                                                cache_dir=cache_dir, one_token_gemv=one_token_gemv))
+                                                                cache_dir=cache_dir,
+                                                                piece_passes=(OneTokenGemv(),) if one_token_gemv else ()))
     mc = get_preset(DEV["preset"], num_hidden_layers=layers, max_position_embeddings=max_pos)
     dtype = torch.bfloat16 if DEV["device"] == "cuda" else torch.float32
     old = torch.get_default_dtype()
@@ -164,7 +166,7 @@ def run_decode(args: argparse.Namespace, payload: dict[str, Any]) -> None:
 
     rows = payload.setdefault("decode_rows", [])
     impls = ["eager", "compiled", "piecewise", "piecewise-triton-launch", "full", "full-direct"]
-    from vattn.ops.triton_launch import set_fast_launch
+    from vattn.kernels.launch import set_fast_launch
     for b in common.progress(batches, desc="decode batch"):
         ids, pos, cm = decode_batch(kv, b, args.context, seed=b)
         for impl in impls:

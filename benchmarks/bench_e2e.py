@@ -84,6 +84,7 @@ import torch  # noqa: E402
 import vattn  # noqa: E402
 from benchmarks import common, roofline  # noqa: E402
 from examples.engine import Engine, SamplingParams, greedy  # noqa: E402
+from examples.gemv import OneTokenGemv  # noqa: E402
 from examples.generate import compile_model  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, get_preset, init_random_weights  # noqa: E402
 
@@ -668,7 +669,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = common.result_path("e2e", env)
     mcfg = get_preset(args.preset, max_position_embeddings=max(args.contexts) + 4 * args.new_tokens + 1024)
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
-                            compilation=vattn.CompilationConfig(compile_sizes=common.token_counts(args.compile_sizes)))
+                            compilation=vattn.CompilationConfig(compile_sizes=common.token_counts(args.compile_sizes),
+                                                                piece_passes=(OneTokenGemv(),)))
     model, hf = build_models(args, mcfg, device, dtype, cfg)
 
     budget = args.max_num_batched_tokens

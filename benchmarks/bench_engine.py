@@ -44,6 +44,7 @@ import vattn  # noqa: E402
 from benchmarks import bench_e2e, common  # noqa: E402
 from examples import engine as engine_mod  # noqa: E402
 from examples.engine import Engine, SamplingParams  # noqa: E402
+from examples.gemv import OneTokenGemv  # noqa: E402
 
 BLOCK = 16
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_len = args.context + 2 * args.steps + 64
     mcfg = bench_e2e.get_preset(preset, max_position_embeddings=max_len + 1024)
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
-                            compilation=vattn.CompilationConfig(compile_sizes=(1,)))
+                            compilation=vattn.CompilationConfig(compile_sizes=(1,), piece_passes=(OneTokenGemv(),)))
     dtype = torch.bfloat16 if cuda else torch.float32
     model, _ = bench_e2e.build_models(e2e_args, mcfg, torch.device(args.device), dtype, cfg)
     # The engines run one after another, each over the whole cache.

@@ -19,7 +19,7 @@ all through ``vattn.compile`` (split at attention, Inductor per piece). Per row:
 * ``ms_launch``: the compiled step launched from Python (``common.bench``, GPU timeline);
 * ``kernels_per_step`` / ``kernels_per_layer``: CUDA kernels in a torch-profiler trace of one
   step (memcpy / memset excluded), and ``quant_kernels``: launches of the standalone q-quant kernel
-  (``vattn.ops.triton_quant_fp8``);
+  (``vattn.kernels.quant_fp8``);
 * ``max_diff_vs_unfused``: max |hidden| difference to the fp8-unfused step (same backend).
 
 ``summary.targets``: per backend, the fused fp8 step is faster than the bf16 step

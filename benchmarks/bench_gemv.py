@@ -5,7 +5,7 @@ SwiGLU on its input), each GEMV reading the previous one's output, ``--layers`` 
 their own weights in one CUDA graph (weights stream from HBM). Providers: ``cublas``
 (``torch.mm``, SwiGLU as two eager kernels), ``triton/<cfg>`` (``gemv`` with the tile
 configurations of ``CONFIGS``) and ``triton+pdl/<cfg>`` (the same with programmatic dependent
-launch, as ``vattn::gemv`` runs it on sm_90+). Correctness is tested in ``tests/test_gemv.py``;
+launch, as ``vattn_examples::gemv`` runs it on sm_90+). Correctness is tested in ``tests/test_gemv.py``;
 the chain's values are not meaningful (random weights, no norms).
 
 Columns: ``us_per_layer`` (the four GEMVs), ``tbps`` (weight bytes / time), ``frac_copy_bw``
@@ -31,7 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, roofline  # noqa: E402
-from vattn.ops.triton_gemv import gemv  # noqa: E402
+from examples.gemv.kernel import launch_gemv as gemv  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 

@@ -52,6 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import vattn  # noqa: E402
+from examples.gemv import OneTokenGemv  # noqa: E402
 from benchmarks.common import (Table, env_info, fill_random_kv_, free_memory, progress, token_counts,  # noqa: E402
                                split_kv_cache, write_results)
 from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
@@ -163,7 +164,8 @@ def build(args: argparse.Namespace, tp: TensorParallel, device: torch.device, nu
           ) -> tuple[DecoderForCausalLM, vattn.VattnConfig, Any]:
     mcfg = get_preset(args.preset, max_position_embeddings=args.context + 64)
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
-                            compilation=vattn.CompilationConfig(compile_sizes=token_counts(args.compile_sizes)))
+                            compilation=vattn.CompilationConfig(compile_sizes=token_counts(args.compile_sizes),
+                                                                piece_passes=(OneTokenGemv(),)))
     old = torch.get_default_dtype()
     torch.set_default_dtype(args.dtype)
     try:

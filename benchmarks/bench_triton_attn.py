@@ -50,7 +50,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, roofline  # noqa: E402
-from vattn.ops import triton_unified_attention as tua  # noqa: E402
+from vattn.backends.triton import paged_attention as tua  # noqa: E402
 
 logger = logging.getLogger("vattn.benchmarks.triton_attn")
 
@@ -137,7 +137,7 @@ def triton_fn(batch: Batch, config: tua.UnifiedAttentionConfig, out: torch.Tenso
     c = batch.case
 
     def run() -> None:
-        tua.unified_attention(
+        tua.paged_attention(
             batch.q, batch.k_cache, batch.v_cache, out, cu_seqlens_q=batch.cu_q, seqused_k=batch.seq_lens,
             block_table=batch.block_table, max_seqlen_q=c.q_len, max_seqlen_k=c.seq_len,
             softmax_scale=D**-0.5, causal=True, k_scale=batch.one if fp8 else None,

@@ -21,7 +21,7 @@ The per-kernel table of each replay (name, launches per step, ms per step) is un
 
     PYTHONPATH=$PWD python benchmarks/profile_step.py                         # auto, FLASHINFER-cudacore, TRITON_ATTN, FLASH_ATTN
     PYTHONPATH=$PWD python benchmarks/profile_step.py --backends TRITON_ATTN --batches 1 --layers 2
-    PYTHONPATH=$PWD python benchmarks/profile_step.py --backends TRITON_ATTN --gemv on off     # one_token_gemv A/B
+    PYTHONPATH=$PWD python benchmarks/profile_step.py --backends TRITON_ATTN --gemv on off     # OneTokenGemv A/B
 
 In one process a second model times a little slower than the first (about 0.07 ms a step on
 an H100, at batch 64 too, where the variants do not differ): compare variants in separate
@@ -52,7 +52,7 @@ BACKENDS = ("auto", "FLASHINFER-cudacore", "TRITON_ATTN", "FLASH_ATTN")
 
 
 def run_backend(name: str, args: argparse.Namespace, gemv: str = "on") -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows (one per batch size) and kernel tables for one backend; ``gemv``: ``CompilationConfig.one_token_gemv``
+    """Rows (one per batch size) and kernel tables for one backend; ``gemv``: ``examples.gemv.OneTokenGemv``
     on or off."""
     backend = None if name == "auto" else name.split("-")[0]
     if name.endswith("-cudacore"):
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inductor-config", default="{}",
                    help='CompilationConfig.inductor_compile_config as JSON, e.g. \'{"coordinate_descent_tuning": false}\'')
     p.add_argument("--gemv", nargs="+", default=["on"], choices=["on", "off"],
-                   help="CompilationConfig.one_token_gemv variants to run per backend (e.g. on off: an A/B in one run)")
+                   help="examples.gemv.OneTokenGemv variants to run per backend (e.g. on off: an A/B in one run)")
     p.add_argument("--top", type=int, default=30, help="kernels (and host functions) kept per table")
     p.add_argument("--mode", default="FULL_DECODE_ONLY", choices=[m.name for m in vattn.CUDAGraphMode],
                    help="the CUDAGraphRunner's mode (PIECEWISE: host-bound steps, see --host-profile)")

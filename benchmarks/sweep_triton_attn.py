@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 
 from benchmarks import bench_triton_attn as bta  # noqa: E402
 from benchmarks import common  # noqa: E402
-from vattn.ops import triton_unified_attention as tua  # noqa: E402
+from vattn.backends.triton import paged_attention as tua  # noqa: E402
 
 logger = logging.getLogger("vattn.benchmarks.sweep_triton_attn")
 

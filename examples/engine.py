@@ -240,10 +240,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     (N * C blocks), then the argmax over them, give the same index (ties go to the first
     maximum in both passes, NaN wins as in ``argmax``); a batch-1 decode step of the 1B
     example model on an H100 takes 14 us less. On CUDA, vattn's Triton argmax does the same in
-    two kernels instead of four (``vattn.ops.triton_argmax``; ``profile-greedy``).
+    two kernels instead of four (``examples.argmax``; ``profile-greedy``).
     """
     if logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and logits.stride(-1) == 1:
-        from vattn.ops.triton_argmax import argmax
+        from examples.argmax import argmax
 
         return argmax(logits)
     n, vocab = logits.shape

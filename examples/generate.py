@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import vattn
 from examples.engine import Engine, SamplingParams
+from examples.gemv import OneTokenGemv
 from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_weights
 from examples.tp import TensorParallel, init_tensor_parallel
 
@@ -153,7 +154,8 @@ def build(args: argparse.Namespace, tp: TensorParallel | None = None
         PRESETS[args.preset].max_position_embeddings, max(4096, args.prompt_len + args.output_len)))
     sizes = tuple(int(x) for x in args.compile_sizes.split(",") if x.strip())
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype),
-                            compilation=vattn.CompilationConfig(compile_sizes=sizes, cache_dir=args.compile_cache_dir))
+                            compilation=vattn.CompilationConfig(compile_sizes=sizes, cache_dir=args.compile_cache_dir,
+                                                                piece_passes=(OneTokenGemv(),)))
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

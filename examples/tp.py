@@ -58,6 +58,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+import examples.gemv.op  # noqa: F401  (registers torch.ops.vattn_examples.gemv)
+
 __all__ = [
     "ColumnParallelLinear",
     "ParallelLMHead",
@@ -354,9 +356,9 @@ class ParallelLMHead(ShardedModule):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            # one row on a GPU (a batch-1 decode step): vattn's Triton GEMV, which streams this
-            # weight closer to the copy bandwidth than cuBLAS does; anything else: F.linear
-            return torch.ops.vattn.gemv(hidden, self.weight, False)
+            # one row on a GPU (a batch-1 decode step): the example Triton GEMV, which streams
+            # this weight closer to the copy bandwidth than cuBLAS does; anything else: F.linear
+            return torch.ops.vattn_examples.gemv(hidden, self.weight, False)
         logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
         return logits[..., : self.rows.full] if self.tp.size > 1 else logits
 

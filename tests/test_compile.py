@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import vattn
-from vattn.compile_passes.backend import VattnCompiledModel, _traced_outputs, compilation_counter, piece_key
+from vattn.compile_passes.backend import compilation_counter
+from vattn.compile_passes.compiler import VattnCompiledModel
+from vattn.compile_passes.pieces import _traced_outputs, piece_key
 from vattn.compile_passes.pass_manager import PostGradPassManager, VattnPass, get_pass_class
 
 H, NH, NKV, D, VOCAB = 32, 2, 1, 16, 64
@@ -546,7 +548,7 @@ def test_pieces_compile_with_inductor_pdl_on_sm90(monkeypatch, override: bool | 
     the config is left alone. Checked on the CPU with Inductor's entry point recorded."""
     import torch._inductor.compile_fx as compile_fx_mod
 
-    from vattn.compile_passes import backend as backend_mod
+    from vattn.compile_passes import inductor as inductor_mod
 
     if not hasattr(torch._inductor.config.triton, "enable_pdl"):
         pytest.skip(f"torch {torch.__version__} has no triton.enable_pdl")
@@ -559,9 +561,9 @@ def test_pieces_compile_with_inductor_pdl_on_sm90(monkeypatch, override: bool | 
     extra = {} if override is None else {"triton.enable_pdl": override}
     monkeypatch.setattr(compile_fx_mod, "compile_fx", record)
     for sm90 in (False, True):
-        monkeypatch.setattr(backend_mod, "_on_sm90", lambda args, sm90=sm90: sm90)
+        monkeypatch.setattr(inductor_mod, "on_pdl_device", lambda args, sm90=sm90: sm90)
         patches.clear()
-        model, cfg, kv = build(2, compile_sizes=(1,), one_token_gemv=False, inductor_compile_config=extra)
+        model, cfg, kv = build(2, compile_sizes=(1,), inductor_compile_config=extra)
         compiled = vattn.compile(model, cfg)
         for n in (3, 1):  # general code, then the 1-token code
             common = kv.common_metadata([n], [4], [[1, 2]])

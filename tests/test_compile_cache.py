@@ -46,7 +46,7 @@ def _files(d: Path) -> list[Path]:
 
 
 def test_second_compile_loads_the_trace_and_runs_the_same_code(tmp_path, monkeypatch) -> None:
-    from vattn.compile_passes import backend as backend_module
+    from vattn.compile_passes import pieces as backend_module
 
     model, cfg, kv = build(2, cache_dir=str(tmp_path))
     first = vattn.compile(model, cfg)
@@ -163,7 +163,7 @@ def test_changed_source_traces_again(tmp_path, monkeypatch, caplog) -> None:
     module = importlib.import_module("vattn_cached_model")
     cache = tmp_path / "cache"
 
-    def start() -> vattn.compile_passes.backend.VattnCompiledModel:
+    def start() -> vattn.compile_passes.compiler.VattnCompiledModel:
         cfg = vattn.VattnConfig(compilation=vattn.CompilationConfig(cache_dir=str(cache), use_inductor=False))
         torch.manual_seed(0)
         with vattn.set_current_vattn_config(cfg):

@@ -34,7 +34,7 @@ from vattn.backends.flash_attn import (
 )
 from vattn.backends.utils import AttentionSpec, set_kv_cache_layout
 from vattn.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
-from vattn.kv_cache import build_common_attn_metadata
+from vattn.metadata import build_common_attn_metadata
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

@@ -312,7 +312,7 @@ def _spec(case: dict, device: str) -> BatchSpec:
 def _decode_common(spec_kwargs: dict, size: int, seed: int, num_blocks: int = 600):
     """A random pure-decode batch of at most ``size`` requests over a pool of ``num_blocks``
     blocks, with its metadata padded to ``size`` tokens and requests."""
-    from vattn.kv_cache import build_common_attn_metadata
+    from vattn.metadata import build_common_attn_metadata
 
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, size + 1, (1,), generator=g))

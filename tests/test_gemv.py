@@ -1,4 +1,4 @@
-"""vattn::gemv, its Triton kernel, and the 1-token rewrite of linear layers (one_token_gemv).
+"""vattn_examples::gemv, its Triton kernel, and the 1-token rewrite of linear layers (one_token_gemv).
 
 CPU: the kernel under the Triton interpreter against a float32 reference, the op's
 fallback (opcheck), and the rewrite on a Dynamo graph (what it replaces, and that the
@@ -15,7 +15,7 @@ from torch.library import opcheck
 
 import triton_modules
 import vattn  # noqa: F401  (registers torch.ops.vattn)
-from vattn.compile_passes import one_token_gemv
+from examples.gemv import rewrite as one_token_gemv
 
 pytest.importorskip("triton")
 
@@ -23,7 +23,7 @@ HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 
-triton_gemv = triton_modules.load(["vattn.ops.triton_gemv"])["vattn.ops.triton_gemv"]
+triton_gemv = triton_modules.load(["examples.gemv.kernel"])["examples.gemv.kernel"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_kernel_matches_float32(n: int, k: int, block_n: int, block_k: int, silu
     x = torch.randn(1, 2 * k if silu_mul else k, generator=g).to(DEV, torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(DEV, torch.bfloat16)
     out = torch.full((1, n + 3), 7.0, device=DEV, dtype=torch.bfloat16)  # 3 guard columns
-    triton_gemv.gemv(x, w, out[:, :n], silu_mul=silu_mul, block_n=block_n, block_k=block_k, num_warps=4)
+    triton_gemv.launch_gemv(x, w, out[:, :n], silu_mul=silu_mul, block_n=block_n, block_k=block_k, num_warps=4)
     ref = _reference(x, w, silu_mul)
     torch.testing.assert_close(out[:, :n].float(), ref, atol=0.06 * ref.abs().max().item() / 8, rtol=1e-2)
     assert torch.all(out[:, n:] == 7.0)  # nothing written past N
@@ -74,7 +74,7 @@ def test_kernel_norm_and_residual_match_float32(n: int, k: int, block_n: int, bl
     nw = (1 + torch.randn(k, generator=g) / 4).to(DEV, torch.bfloat16) if norm else None
     res = (4 * torch.randn(1, n, generator=g)).to(DEV, torch.bfloat16) if with_residual else None
     out = torch.full((1, n + 3), 7.0, device=DEV, dtype=torch.bfloat16)
-    triton_gemv.gemv(x, w, out[:, :n], silu_mul=silu_mul, residual=res, norm_weight=nw, eps=1e-5,
+    triton_gemv.launch_gemv(x, w, out[:, :n], silu_mul=silu_mul, residual=res, norm_weight=nw, eps=1e-5,
                      block_n=block_n, block_k=block_k, num_warps=4)
     ref = _reference(x, w, silu_mul, res, nw, 1e-5)
     torch.testing.assert_close(out[:, :n].float(), ref, atol=0.06 * ref.abs().max().item() / 8, rtol=1e-2)
@@ -110,7 +110,7 @@ def test_default_tiles_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernel_rejects_silu_mul_with_norm() -> None:
     x, w = torch.randn(1, 8), torch.randn(4, 4)
     with pytest.raises(ValueError, match="exclusive"):
-        triton_gemv.gemv(x, w, torch.empty(1, 4), silu_mul=True, norm_weight=torch.ones(4))
+        triton_gemv.launch_gemv(x, w, torch.empty(1, 4), silu_mul=True, norm_weight=torch.ones(4))
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
@@ -121,18 +121,18 @@ def test_op_fallback_and_opcheck(silu_mul: bool) -> None:
     for rows in (1, 3):
         x = torch.randn(rows, 32 if silu_mul else 16, generator=g)
         w = torch.randn(8, 16, generator=g)
-        got = torch.ops.vattn.gemv(x, w, silu_mul)
+        got = torch.ops.vattn_examples.gemv(x, w, silu_mul)
         x_in = F.silu(x[:, :16]) * x[:, 16:] if silu_mul else x
         torch.testing.assert_close(got, F.linear(x_in, w))
-        opcheck(torch.ops.vattn.gemv.default, (x, w, silu_mul))
+        opcheck(torch.ops.vattn_examples.gemv.default, (x, w, silu_mul))
         res = torch.randn(rows, 8, generator=g)
-        torch.testing.assert_close(torch.ops.vattn.gemv(x, w, silu_mul, res), F.linear(x_in, w) + res)
-        opcheck(torch.ops.vattn.gemv.default, (x, w, silu_mul, res))
+        torch.testing.assert_close(torch.ops.vattn_examples.gemv(x, w, silu_mul, res), F.linear(x_in, w) + res)
+        opcheck(torch.ops.vattn_examples.gemv.default, (x, w, silu_mul, res))
         if not silu_mul:
             nw = torch.randn(16, generator=g)
-            got = torch.ops.vattn.gemv(x, w, False, res, nw, 1e-5)
+            got = torch.ops.vattn_examples.gemv(x, w, False, res, nw, 1e-5)
             torch.testing.assert_close(got, F.linear(_rms_norm(x, nw, 1e-5), w) + res)
-            opcheck(torch.ops.vattn.gemv.default, (x, w, False, res, nw, 1e-5))
+            opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, res, nw, 1e-5))
 
 
 def _rope_tables(d: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +166,9 @@ def test_kernel_rope_epilogue(d: int, heads: int, rotated: int, block_n: int) ->
         nw = (1 + torch.randn(k, generator=g) / 4).to(DEV, dtype)
         cos, sin = (t.to(DEV) for t in _rope_tables(d, dtype, g))
         plain = torch.empty(1, n, device=DEV, dtype=dtype)
-        triton_gemv.gemv(x, w, plain, norm_weight=nw, eps=1e-5, block_n=block_n, block_k=32, num_warps=4)
+        triton_gemv.launch_gemv(x, w, plain, norm_weight=nw, eps=1e-5, block_n=block_n, block_k=32, num_warps=4)
         out = torch.full((1, n + 3), 7.0, device=DEV, dtype=dtype)
-        triton_gemv.gemv(x, w, out[:, :n], norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=sin,
+        triton_gemv.launch_gemv(x, w, out[:, :n], norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=sin,
                          rope_cols=rotated * d, block_n=block_n, block_k=32, num_warps=4)
         assert torch.all(out[:, n:] == 7.0)
         assert torch.equal(out[:, rotated * d : n], plain[:, rotated * d :])  # not rotated: as projected
@@ -177,7 +177,7 @@ def test_kernel_rope_epilogue(d: int, heads: int, rotated: int, block_n: int) ->
         # transformers' rotate-half form takes the plain sin: the same rotation, bit for bit
         unsigned = torch.cat((-sin[: d // 2], sin[d // 2 :]))
         out_u = torch.empty(1, n, device=DEV, dtype=dtype)
-        triton_gemv.gemv(x, w, out_u, norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=unsigned,
+        triton_gemv.launch_gemv(x, w, out_u, norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=unsigned,
                          rope_cols=rotated * d, rope_unsigned_sin=True, block_n=block_n, block_k=32, num_warps=4)
         assert torch.equal(out_u, out[:, :n])
         ref = _rope(_reference(x, w, False, None, nw, 1e-5).to(dtype), cos, sin, rotated * d)
@@ -200,7 +200,7 @@ def test_kernel_rope_rejects_bad_arguments() -> None:
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            triton_gemv.gemv(x, w, out, **kwargs)
+            triton_gemv.launch_gemv(x, w, out, **kwargs)
 
 
 def test_op_rope_fallback_and_opcheck() -> None:
@@ -214,22 +214,22 @@ def test_op_rope_fallback_and_opcheck() -> None:
         x = torch.randn(rows, 24, generator=g).bfloat16()
         w = torch.randn(5 * 16, 24, generator=g).bfloat16()
         cos_sin = rope.cos_sin(torch.randint(0, 64, (rows,), generator=g), torch.bfloat16)
-        got = torch.ops.vattn.gemv(x, w, False, None, None, 0.0, *cos_sin, 3 * 16)
+        got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *cos_sin, 3 * 16)
         heads = F.linear(x, w).view(rows, 5, 16)
         want = torch.cat((rope.apply(cos_sin, heads[:, :3]), heads[:, 3:]), dim=1).flatten(1)
         assert torch.equal(got, want)
-        opcheck(torch.ops.vattn.gemv.default, (x, w, False, None, None, 0.0, *cos_sin, 3 * 16))
+        opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, *cos_sin, 3 * 16))
     # transformers' rotate-half form: the plain sin table
     cos, sin = cos_sin[0], cos_sin[1].abs()
-    got = torch.ops.vattn.gemv(x, w, False, None, None, 0.0, cos, sin, 5 * 16, True)
+    got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, cos, sin, 5 * 16, True)
     heads = F.linear(x, w).view(rows, 5, 16)
     want = heads * cos + torch.cat((-heads[..., 8:], heads[..., :8]), dim=-1) * sin
     assert torch.equal(got, want.flatten(1))
-    opcheck(torch.ops.vattn.gemv.default, (x, w, False, None, None, 0.0, cos, sin, 5 * 16, True))
+    opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, cos, sin, 5 * 16, True))
     with pytest.raises(ValueError, match="rope_cols=24"):
-        torch.ops.vattn.gemv(x, w, False, None, None, 0.0, *cos_sin, 24)
+        torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *cos_sin, 24)
     with pytest.raises(ValueError, match="residual set"):
-        torch.ops.vattn.gemv(x, w, False, torch.zeros(rows, 80).bfloat16(), None, 0.0, *cos_sin, 32)
+        torch.ops.vattn_examples.gemv(x, w, False, torch.zeros(rows, 80).bfloat16(), None, 0.0, *cos_sin, 32)
 
 
 class _Block(torch.nn.Module):
@@ -269,7 +269,7 @@ def test_rewrite_replaces_bias_free_linears_and_fuses_swiglu() -> None:
     gm, inputs = _dynamo_graph(model, x)
     want = model(x)
     assert one_token_gemv.rewrite(gm) == 3  # proj, gate_up, down; not the biased head
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     assert [n.args[2] for n in calls] == [False, False, True]  # down reads the gate/up output itself
     assert calls[2].args[0] is calls[1]
     assert sum(n.target is torch._C._nn.linear for n in gm.graph.nodes) == 1
@@ -321,14 +321,14 @@ def test_rewrite_fuses_norms_and_residual_adds() -> None:
     gm, inputs = _dynamo_graph(model, x)
     want = model(x)
     assert one_token_gemv.rewrite(gm) == 3
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     proj, gate_up, down = calls
     assert proj.args[3] is proj.args[0] and proj.args[5] == 1e-5  # residual x, the norm's input x
     assert gate_up.args[0] is proj and gate_up.args[3] is None and gate_up.args[5] == 1e-6
     assert down.args[0] is gate_up and down.args[2] is True and down.args[3] is proj
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.op in ("call_method", "call_function")
-                and n.target not in (torch.ops.vattn.gemv.default, torch._C._nn.linear)]
+                and n.target not in (torch.ops.vattn_examples.gemv.default, torch._C._nn.linear)]
     (got,) = gm(*inputs)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
@@ -360,7 +360,7 @@ def test_rewrite_leaves_norms_and_adds_it_cannot_fuse() -> None:
     gm, inputs = _dynamo_graph(model, x, row)
     want = model(x, row)
     assert one_token_gemv.rewrite(gm) == 4
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     assert [(n.args[3] is not None, n.args[4] is not None) for n in calls] == [
         (False, False), (False, False), (False, False), (True, False)]  # only the last add fuses
     (got,) = gm(*inputs)
@@ -382,7 +382,7 @@ def test_rewrite_leaves_a_split_that_is_not_two_halves() -> None:
     model, h = ThreeWay(), torch.randn(1, 24)
     gm, _ = _dynamo_graph(model, h)
     assert one_token_gemv.rewrite(gm) == 1
-    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     assert call.args[2] is False
 
 
@@ -397,7 +397,7 @@ def test_kernel_llama_shapes_cuda(name: str, n: int, k: int, silu_mul: bool, pdl
     x = torch.randn(1, 2 * k if silu_mul else k, device="cuda", generator=g).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
     out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-    triton_gemv.gemv(x, w, out, silu_mul=silu_mul, pdl=pdl)
+    triton_gemv.launch_gemv(x, w, out, silu_mul=silu_mul, pdl=pdl)
     torch.testing.assert_close(out.float(), _reference(x, w, silu_mul), atol=2e-2, rtol=2e-2)
 
 
@@ -405,7 +405,7 @@ def test_kernel_llama_shapes_cuda(name: str, n: int, k: int, silu_mul: bool, pdl
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("name,n,k", [("qkv", 3072, 2048), ("gate_up", 16384, 2048), ("o", 2048, 2048)])
 def test_kernel_norm_residual_llama_shapes_cuda(name: str, n: int, k: int, pdl: bool) -> None:
-    """The fused RMSNorm (qkv, gate_up) and residual add (o), as vattn::gemv runs them in a
+    """The fused RMSNorm (qkv, gate_up) and residual add (o), as vattn_examples::gemv runs them in a
     decoder layer, against the unfused steps."""
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
@@ -416,9 +416,9 @@ def test_kernel_norm_residual_llama_shapes_cuda(name: str, n: int, k: int, pdl: 
     nw = (1 + torch.randn(k, device="cuda", generator=g) / 4).bfloat16() if norm else None
     res = None if norm else torch.randn(1, n, device="cuda", generator=g).bfloat16()
     out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-    triton_gemv.gemv(x, w, out, residual=res, norm_weight=nw, eps=1e-5, pdl=pdl)
+    triton_gemv.launch_gemv(x, w, out, residual=res, norm_weight=nw, eps=1e-5, pdl=pdl)
     torch.testing.assert_close(out.float(), _reference(x, w, False, res, nw, 1e-5), atol=3e-2, rtol=2e-2)
-    op = torch.ops.vattn.gemv(x, w, False, res, nw, 1e-5)  # the op's fast path: the same kernel
+    op = torch.ops.vattn_examples.gemv(x, w, False, res, nw, 1e-5)  # the op's fast path: the same kernel
     assert torch.equal(op, out)
 
 
@@ -435,7 +435,7 @@ def test_pdl_chain_in_cuda_graph_matches_serial() -> None:
     def chain(use_pdl: bool) -> torch.Tensor:
         x = x0
         for w, b in zip(ws, bufs):
-            triton_gemv.gemv(x, w, b, pdl=use_pdl)
+            triton_gemv.launch_gemv(x, w, b, pdl=use_pdl)
             x = b
         return x
 
@@ -453,7 +453,7 @@ def test_pdl_chain_in_cuda_graph_matches_serial() -> None:
 
 
 def test_pdl_supported_only_on_cuda_sm90() -> None:
-    from vattn.ops.triton_launch import pdl_supported
+    from vattn.kernels.launch import pdl_supported
 
     assert pdl_supported(torch.device("cpu")) is False
     if HAS_CUDA:
@@ -496,7 +496,7 @@ def test_rewrite_fuses_rope_into_the_qkv_projection() -> None:
     gm, inputs = _dynamo_graph(model, x, pos)
     want = model(x, pos)
     assert one_token_gemv.rewrite(gm) == 1
-    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     assert call.args[4] is not None and None not in call.args[6:8] and call.args[8:] == ((4 + 2) * 16, False)
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "roll"]
@@ -522,7 +522,7 @@ def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
     with vattn.set_forward_context(None, cfg):
         gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
     assert one_token_gemv.rewrite(gm) == 3 * 4
-    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default and len(n.args) > 6 and not n.args[9]]
+    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default and len(n.args) > 6 and not n.args[9]]
     assert len(rope) == 3 and all(n.args[8] == (model.config.num_attention_heads
                                                 + model.config.num_key_value_heads) * model.config.head_dim
                                   for n in rope)
@@ -568,7 +568,7 @@ def test_rewrite_fuses_transformers_rotate_half() -> None:
     gm, inputs = _dynamo_graph(model, x, cos, sin)
     want = model(x, cos, sin)
     assert one_token_gemv.rewrite(gm) == 3
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     assert [n.args[8:] for n in calls] == [(4 * 16, True), (2 * 16, True), ()]
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.target is torch.cat]
@@ -587,7 +587,7 @@ def test_rewrite_leaves_rope_it_cannot_fuse(variant: str) -> None:
     gm, inputs = _dynamo_graph(model, x, pos)
     want = model(x, pos)
     assert one_token_gemv.rewrite(gm) == 1
-    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn.gemv.default]
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
     assert len(call.args) == 6  # no RoPE arguments
     got = gm(*inputs)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -607,15 +607,15 @@ def test_kernel_rope_llama_qkv_cuda(pdl: bool) -> None:
     nw = (1 + torch.randn(2048, device="cuda", generator=g) / 4).bfloat16()
     cos, sin = (t.cuda() for t in _rope_tables(64, torch.bfloat16, torch.Generator().manual_seed(1)))
     plain = torch.empty(1, 3072, device="cuda", dtype=torch.bfloat16)
-    triton_gemv.gemv(x, w, plain, norm_weight=nw, eps=1e-5, pdl=pdl)
+    triton_gemv.launch_gemv(x, w, plain, norm_weight=nw, eps=1e-5, pdl=pdl)
     out = torch.empty_like(plain)
-    triton_gemv.gemv(x, w, out, norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=sin, rope_cols=2560, pdl=pdl)
+    triton_gemv.launch_gemv(x, w, out, norm_weight=nw, eps=1e-5, rope_cos=cos, rope_sin=sin, rope_cols=2560, pdl=pdl)
     assert torch.equal(out[:, 2560:], plain[:, 2560:])
     want = _rope(plain, cos, sin, 2560).bfloat16()
     ulp = want.float().abs().clamp_min(1e-3) * 2**-7
     assert torch.all((out.float() - want.float()).abs() <= ulp)
-    op = torch.ops.vattn.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), sin.view(1, 1, 64), 2560)
+    op = torch.ops.vattn_examples.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), sin.view(1, 1, 64), 2560)
     assert torch.equal(op, out)  # the op's fast path: the same kernel
     unsigned = torch.cat((-sin[:32], sin[32:]))  # transformers' rotate-half form: the same rotation
-    op = torch.ops.vattn.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), unsigned.view(1, 1, 64), 2560, True)
+    op = torch.ops.vattn_examples.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), unsigned.view(1, 1, 64), 2560, True)
     assert torch.equal(op, out)

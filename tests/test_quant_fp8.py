@@ -124,8 +124,8 @@ def test_quant_fp8_errors() -> None:
 
 # ---- the Triton kernel ----------------------------------------------------------------------
 
-_TRITON_MODS = ("vattn.ops.triton_fp8", "vattn.ops.triton_quant_fp8", "vattn.ops.triton_attention_kernels",
-                "vattn.ops.triton_kv_store", "vattn.ops.triton_unified_attention")
+_TRITON_MODS = ("vattn.kernels.fp8", "vattn.kernels.quant_fp8", "vattn.backends.triton.kernels",
+                "vattn.kernels.kv_store", "vattn.backends.triton.paged_attention")
 
 
 def _load_triton_quant() -> ModuleType:

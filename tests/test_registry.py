@@ -65,7 +65,7 @@ def test_required_members_exist():
 
 def test_default_paths_point_into_vattn_backends():
     assert B.TORCH_SDPA.get_path() == "vattn.backends.torch_sdpa.TorchSDPABackend"
-    assert B.TRITON_ATTN.get_path() == "vattn.backends.triton_attn.TritonAttentionBackend"
+    assert B.TRITON_ATTN.get_path() == "vattn.backends.triton.TritonAttentionBackend"
     assert B.FLASHINFER.get_path() == "vattn.backends.flashinfer.FlashInferBackend"
     assert B.FLASH_ATTN.get_path() == "vattn.backends.flash_attn.FlashAttentionBackend"
     assert B.FLASH_ATTN.get_path(include_classname=False) == "vattn.backends.flash_attn"

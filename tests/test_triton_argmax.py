@@ -1,4 +1,4 @@
-"""vattn.ops.triton_argmax: equal to torch.argmax (ties, NaN, -inf rows, signed zeros), on CPU
+"""examples.argmax: equal to torch.argmax (ties, NaN, -inf rows, signed zeros), on CPU
 under Triton's interpreter and on a GPU (a 128k vocabulary, inside a CUDA graph)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 
-triton_argmax = triton_modules.load(["vattn.ops.triton_argmax"])["vattn.ops.triton_argmax"]
+triton_argmax = triton_modules.load(["examples.argmax"])["examples.argmax"]
 
 
 @pytest.fixture(autouse=True)

@@ -34,16 +34,16 @@ pytest.importorskip("triton")
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
-_OPS = ("vattn.ops.triton_fp8", "vattn.ops.triton_attention_kernels",
-        "vattn.ops.triton_kv_store", "vattn.ops.triton_unified_attention")
+_OPS = ("vattn.kernels.fp8", "vattn.backends.triton.kernels",
+        "vattn.kernels.kv_store", "vattn.backends.triton.paged_attention")
 
 
 OPS = triton_modules.load(_OPS)
-tua = OPS["vattn.ops.triton_unified_attention"]
+tua = OPS["vattn.backends.triton.paged_attention"]
 UnifiedAttentionConfig = tua.UnifiedAttentionConfig
-triton_store_kv = OPS["vattn.ops.triton_kv_store"].triton_store_kv
+triton_store_kv = OPS["vattn.kernels.kv_store"].triton_store_kv
 
-from vattn.backends.triton_attn import (  # noqa: E402
+from vattn.backends.triton import (  # noqa: E402
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
@@ -289,12 +289,12 @@ def test_fused_store_launcher_arguments() -> None:
     kw = dict(cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens, block_table=c.block_table_tensor,
               max_seqlen_q=1, max_seqlen_k=4, softmax_scale=1.0)
     with pytest.raises(ValueError, match="key, value and slot_mapping .* come together"):
-        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key, **kw)
+        tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key, **kw)
     with pytest.raises(ValueError, match=r"value must be \(T >= 1, Hk=2, D=32\)"):
-        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
+        tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
                               value=batch.value[:, :1], slot_mapping=c.slot_mapping, **kw)
     with pytest.raises(ValueError, match="slot_mapping must be"):
-        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
+        tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
                               value=batch.value, slot_mapping=c.slot_mapping.float(), **kw)
 
 
@@ -305,7 +305,7 @@ def _launch(batch: RandomBatch, config: UnifiedAttentionConfig) -> torch.Tensor:
     c = batch.common
     kc, vc = batch.kv_cache.unbind(0)
     out = torch.zeros_like(batch.query)
-    tua.unified_attention(batch.query, kc, vc, out, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
+    tua.paged_attention(batch.query, kc, vc, out, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
                           block_table=c.block_table_tensor, max_seqlen_q=c.max_query_len,
                           max_seqlen_k=c.max_seq_len, softmax_scale=batch.spec.head_size**-0.5,
                           sinks=torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEV), config=config)
@@ -342,7 +342,7 @@ def test_split_kv_with_window_softcap_alibi() -> None:
                           alibi_slopes=slopes.cpu())
     for splits in (1, 4):
         out = torch.zeros_like(batch.query)
-        tua.unified_attention(batch.query, kc, vc, out, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
+        tua.paged_attention(batch.query, kc, vc, out, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
                               block_table=c.block_table_tensor, max_seqlen_q=5, max_seqlen_k=71,
                               softmax_scale=batch.spec.head_size**-0.5, window=(22, 0), softcap=2.0,
                               alibi_slopes=slopes, config=UnifiedAttentionConfig(16, 16, num_splits=splits))
@@ -424,7 +424,7 @@ def test_copy_decode_metadata_matches_the_copies(b: int, bk: int, t: int, width:
     """The one-launch metadata copy (what the CUDA builder runs before a replay) writes what
     the per-array copies and padding fills write, into a wider block-table buffer, and no
     entry past the batch's."""
-    meta = triton_modules.load(["vattn.ops.triton_metadata"])["vattn.ops.triton_metadata"]
+    meta = triton_modules.load(["vattn.backends.triton.metadata_copy"])["vattn.backends.triton.metadata_copy"]
     g = torch.Generator().manual_seed(b * 100 + width)
     qsl = torch.cat([torch.zeros(1, dtype=torch.int32), torch.randint(1, 4, (b,), generator=g).cumsum(0).int()])
     seq = torch.randint(1, 500, (b,), generator=g, dtype=torch.int32)
@@ -464,9 +464,9 @@ _AOT_SCRIPT = r"""
 import sys, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
-from vattn.ops.triton_kv_store import _store_kv_kernel
-from vattn.ops.triton_gemv import _gemv_kernel
+from vattn.backends.triton.kernels import _combine_splits_kernel, _unified_attention_kernel
+from vattn.kernels.kv_store import _store_kv_kernel
+from examples.gemv.kernel import _gemv_kernel
 
 def compile_(fn, types, consts, warps, stages):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -528,14 +528,14 @@ assert "griddepcontrol.launch_dependents" in gemv_norm.asm["ptx"]  # the next ke
 assert "griddepcontrol.launch_dependents" not in gemv_rope.asm["ptx"]  # ... but not attention after RoPE
 compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=False, RESIDUAL=False,
                                        ROPE_DIM=128, USE_PDL=True, UNSIGNED_SIN=True), 8, 1)
-from vattn.ops.triton_argmax import _chunk_argmax_kernel, _row_argmax_kernel
+from examples.argmax import _chunk_argmax_kernel, _row_argmax_kernel
 chunk_argmax = compile_(_chunk_argmax_kernel, dict(x_ptr="*bf16", key_ptr="*i32", idx_ptr="*i32"),
                         dict(BLOCK=4096, USE_PDL=True), 4, 1)
 row_argmax = compile_(_row_argmax_kernel, dict(key_ptr="*i32", idx_ptr="*i32", out_ptr="*i64"),
                       dict(CHUNKS=32, USE_PDL=True), 1, 1)
 ptx = chunk_argmax.asm["ptx"]  # the logits are read after the wait for the LM head
 assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global") and "griddepcontrol.wait" in row_argmax.asm["ptx"]
-from vattn.ops.triton_metadata import _copy_metadata_kernel
+from vattn.backends.triton.metadata_copy import _copy_metadata_kernel
 compile_(_copy_metadata_kernel, dict(qsl_src="*i32", qsl_dst="*i32", seq_src="*i32", seq_dst="*i32",
          slot_src="*i64", slot_dst="*i64", bt_src="*i32", bt_dst="*i32"), dict(BLOCK=128), 4, 1)
 ttgir = prefill.asm["ttgir"]
@@ -605,10 +605,10 @@ def test_launcher_errors_name_the_argument() -> None:
     kw = dict(cu_seqlens_q=c.query_start_loc.long(), seqused_k=c.seq_lens, block_table=c.block_table_tensor,
               max_seqlen_q=1, max_seqlen_k=4, softmax_scale=1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q must be int32"):
-        tua.unified_attention(batch.query, kc, vc, torch.empty_like(batch.query), **kw)
+        tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), **kw)
     kw["cu_seqlens_q"] = c.query_start_loc
     with pytest.raises(ValueError, match="k_scale is required"):
-        tua.unified_attention(batch.query, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn),
+        tua.paged_attention(batch.query, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn),
                               torch.empty_like(batch.query), **kw)
 
 
@@ -742,7 +742,7 @@ def test_cuda_layers_of_a_step_repeat_the_first_layers_launches(kv_dtype: str, s
     """After the step's first layer, the others repeat its launches with their own q/k/v,
     output, cache and scales (``LaunchPlan``): outputs and every cache equal, bit for bit, the
     path that validates and launches each layer anew (``FastLaunch`` off: no plans)."""
-    from vattn.ops.triton_launch import LaunchPlan, set_fast_launch
+    from vattn.kernels.launch import LaunchPlan, set_fast_launch
 
     lens = {"long_decode": dict(context_lens=(900, 30), query_lens=(1, 1)), "mixed": MIXED,
             "wide_decode": dict(context_lens=tuple(range(5, 400, 10)), query_lens=(1,) * 40)}[shape]

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from vattn.ops.triton_launch import FastLaunch, _direct_launch, _runtime_key, next_power_of_2, set_fast_launch  # noqa: E402
+from vattn.kernels.launch import FastLaunch, _direct_launch, _runtime_key, next_power_of_2, set_fast_launch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -206,7 +206,7 @@ class _FakeKernel:
 
 
 def test_launch_plan_repeats_launches_with_other_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vattn.ops.triton_launch import LaunchPlan, record_launches
+    from vattn.kernels.launch import LaunchPlan, record_launches
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)

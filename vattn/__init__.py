@@ -39,7 +39,8 @@ from vattn.config import (
     set_current_vattn_config,
 )
 from vattn.forward_context import ForwardContext, get_forward_context, set_forward_context
-from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache, build_common_attn_metadata
+from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache
+from vattn.metadata import build_common_attn_metadata
 from vattn.layer import Attention
 from vattn.platform import current_platform
 from vattn.selector import (
@@ -99,7 +100,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "compile": ("vattn.compile_passes.backend", "compile"),
+    "compile": ("vattn.compile_passes.compiler", "compile"),
     "CUDAGraphRunner": ("vattn.cudagraph", "CUDAGraphRunner"),
 }
 

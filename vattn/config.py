@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     from vattn.layer import Attention
@@ -100,22 +100,21 @@ class CompilationConfig:
             size (vLLM's ``compile_sizes``), on the first step of that size: a step of
             exactly that many tokens then runs the static code. At 1 token Inductor turns
             each matrix multiply into a matrix-vector reduction it fuses with the norms and
-            activations around it: fewer kernels, and on the Llama-3.2-1B shape mostly a
-            faster step than cuBLAS's (not on the 8B shape; the tuning varies run to run:
-            measure, see the README). These compiles use coordinate-descent tuning unless
+            activations around it. These compiles use coordinate-descent tuning unless
             ``inductor_compile_config`` says otherwise.
-        one_token_gemv: in code compiled for exactly 1 token on an sm_90+ GPU, run every
-            bias-free ``F.linear`` as vattn's Triton GEMV with programmatic dependent launch
-            (SwiGLU's ``silu(gate) * up`` fused into the down projection, an RMSNorm before a
-            projection into its input, a residual add after it into its output; see
-            ``vattn.compile_passes.one_token_gemv``) instead of Inductor's reductions.
+        piece_passes: graph rewrites run on every piece before it is compiled, in order: each
+            is called as ``pass_(graph, example_inputs, num_tokens)`` with the piece's
+            ``fx.GraphModule`` (Dynamo's graph: torch functions, before AOT tracing), its
+            (fake) inputs, and the exact token count of a ``compile_sizes`` compile (None for
+            the general code); it edits ``graph`` in place and returns how many rewrites it
+            made. This is how a model routes its own kernels into compiled code, e.g.
+            ``examples.gemv.OneTokenGemv()`` for batch-1 linear layers.
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``. On sm_90+ GPUs the pieces
             compile with Inductor's programmatic dependent launch on (``triton.enable_pdl``:
-            each kernel's launch overlaps the one before it: about 1% off a captured decode
-            step) unless this sets it; a model run without CUDA graphs, whose steps the host
-            bounds, may pass ``{"triton.enable_pdl": False}`` (PDL launches cost the host
-            more: up to 5% of such a step).
+            each kernel's launch overlaps the one before it) unless this sets it; a model run
+            without CUDA graphs, whose steps the host bounds, may pass
+            ``{"triton.enable_pdl": False}`` (PDL launches cost the host more).
         debug_dump_path: where passes dump graphs before/after, if set.
         cache_dir: a directory where ``vattn.compile`` saves Dynamo's trace of the model
             (one file per model, config and input signature) and from which a later start
@@ -137,7 +136,7 @@ class CompilationConfig:
                                "unfuse_addmm")
     use_inductor: bool = True
     compile_sizes: tuple[int, ...] = ()
-    one_token_gemv: bool = True
+    piece_passes: tuple[Callable[..., int], ...] = field(default=(), compare=False)
     inductor_compile_config: dict[str, Any] = field(default_factory=dict, compare=False)
     debug_dump_path: str | None = None
     cache_dir: str | None = None
@@ -151,6 +150,13 @@ class CompilationConfig:
                 "e.g. (1,) to compile batch-1 decode steps for their exact size."
             )
         object.__setattr__(self, "compile_sizes", tuple(sorted(set(sizes))))  # frozen: hashable, canonical
+        passes = self.piece_passes
+        if not isinstance(passes, (tuple, list)) or not all(callable(p) for p in passes):
+            raise TypeError(
+                f"CompilationConfig.piece_passes must be a tuple of callables "
+                f"(graph, example_inputs, num_tokens) -> int, got {passes!r}."
+            )
+        object.__setattr__(self, "piece_passes", tuple(passes))
         if not isinstance(self.inductor_compile_config, dict):
             raise TypeError(
                 f"CompilationConfig.inductor_compile_config must be a dict of torch._inductor.config "

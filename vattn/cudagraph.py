@@ -353,7 +353,7 @@ class CUDAGraphRunner:
         self.device = next(iter(kv_cache.tensors.values())).device
         self.show_progress = show_progress
         self.max_model_len = max_model_len or kv_cache.num_blocks * kv_cache.block_size
-        from vattn.compile_passes.backend import VattnCompiledModel
+        from vattn.compile_passes.compiler import VattnCompiledModel
 
         has_piecewise = isinstance(model, VattnCompiledModel) and bool(model.config.compilation.splitting_ops)
         builders = [g.builder for g in kv_cache.groups]

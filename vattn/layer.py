@@ -8,13 +8,16 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+import vattn.ops  # noqa: F401  (registers the vattn:: ops)
 from vattn import envs
-from vattn.backends.abstract import AttentionBackend, AttentionType, is_fp8_kv_cache
+from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, AttentionType, is_fp8_kv_cache
+from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.forward_context import get_forward_context
-from vattn.ops import custom_ops  # noqa: F401  (registers torch.ops.vattn.*)
 from vattn.ops.kv_store import fp8_dtype_for
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8
+from vattn.platform import current_platform
+from vattn.selector import backend_name_to_enum, get_attn_backend
 
 __all__ = ["Attention", "KVCacheQuantMethod", "QuantizationConfig"]
 
@@ -49,8 +52,6 @@ def validate_kv_sharing_target(layer_name: str, target: str, context: dict[str, 
 
 def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **select: Any) -> type[AttentionBackend]:
     """The selected backend, or the given one after checking it can serve the layer."""
-    from vattn.selector import get_attn_backend
-
     if attn_backend is None:
         return get_attn_backend(**select)
     backend = _backend_class(attn_backend)
@@ -64,13 +65,9 @@ def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **select
 
 
 def _backend_class(attn_backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
-    from vattn.selector import backend_name_to_enum
-
     if isinstance(attn_backend, str):
         backend = backend_name_to_enum(attn_backend)
         if backend is None:
-            from vattn.backends.registry import AttentionBackendEnum
-
             raise ValueError(
                 f"attn_backend={attn_backend!r} is not a backend name; valid: "
                 f"{[m.name for m in AttentionBackendEnum]}."
@@ -92,7 +89,7 @@ def _as_heads(x: torch.Tensor | None, heads: int, head_size: int) -> torch.Tenso
     return x.view(x.shape[0], heads, head_size)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, AttentionLayerBase):
     """Paged attention layer: stores new K/V in the cache, then attends.
 
     Args:
@@ -205,9 +202,6 @@ class Attention(nn.Module):
             self.kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
             **extra_impl_args,
         )
-        from vattn.platform import current_platform
-        from vattn.selector import backend_name_to_enum
-
         self.backend = backend_name_to_enum(self.attn_backend.get_name())
         self.use_direct_call = not current_platform.opaque_attention_op()
         self.use_output = self.attn_backend.accept_output_buffer

@@ -1,30 +1,39 @@
-"""The backend interface: what every attention backend states and implements.
+"""The backend interface, in one place: what an attention backend states and implements.
 
-A backend is a class of static facts (name, KV-cache shape, what it supports) that
-points at three more classes: its ``AttentionImpl`` (runs the kernels), its
-``AttentionMetadata`` (the per-step data the kernels need) and its
-``AttentionMetadataBuilder`` (turns ``CommonAttentionMetadata`` into that metadata; host
-work lives there).
+A backend is a class of static facts (``AttentionBackend``: name, KV-cache shape, what it
+serves) that points at three more classes: its ``AttentionImpl`` (runs the kernels), its
+``AttentionMetadata`` (the per-step data the kernels need) and its ``AttentionMetadataBuilder``
+(turns the batch's ``CommonAttentionMetadata`` into that metadata; host work lives there). The
+seeds' import paths (``vattn.backends.utils.CommonAttentionMetadata``, ...) re-export these.
 """
 
 from __future__ import annotations
 
+import abc
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from vattn.backends.checks import check_common_metadata, configuration_reasons
+from vattn.backends.decode_split import reorder_batch_to_split_decodes_and_prefills
+
 if TYPE_CHECKING:
-    from vattn.backends.utils import AttentionMetadataBuilder
+    from vattn.config import VattnConfig
     from vattn.layer import Attention
 
 __all__ = [
     "AttentionBackend",
     "AttentionCGSupport",
     "AttentionImpl",
+    "AttentionLayerBase",
     "AttentionMetadata",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
     "AttentionType",
+    "CommonAttentionMetadata",
     "is_fp8_kv_cache",
 ]
 
@@ -72,6 +81,78 @@ class AttentionMetadata:
 M = TypeVar("M", bound=AttentionMetadata)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a KV-cache group's layers share, the facts a builder needs: tokens per block, KV
+    heads and head size per layer, the dtype stored (fp8 for fp8 caches), the
+    ``CacheConfig.cache_dtype`` string, and the group's sliding window (None: none)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    cache_dtype_str: str = "auto"
+    sliding_window: int | None = None
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-batch attention metadata, shared across layers and backends.
+
+    Requests are ordered decodes first (see ``reorder_batch_to_split_decodes_and_prefills``).
+    B = num_reqs (possibly padded for CUDA graphs), T = tokens in the step (possibly padded).
+
+    | field | shape / type | meaning |
+    | --- | --- | --- |
+    | query_start_loc, query_start_loc_cpu | (B + 1,) int32 | start of each request's tokens in the flattened query |
+    | seq_lens, seq_lens_cpu | (B,) int32 | tokens of each request after this step (cached + new) |
+    | num_computed_tokens_cpu | (B,) int32 | tokens already in the cache before this step |
+    | num_reqs | int | requests in the batch |
+    | num_actual_tokens | int | real (unpadded) tokens in the step |
+    | max_query_len | int | longest new-token count |
+    | max_seq_len | int | longest seq_len |
+    | block_table_tensor | (B, max_blocks) int32 | block ids of each request, in order |
+    | slot_mapping | (T,) int64 | cache slot (block * block_size + offset) of each new token; -1 = padding |
+    | causal | bool | causal masking (False for encoder attention) |
+    | num_slot_tokens | int or None | real entries of slot_mapping: None = num_actual_tokens; cross-attention: the encoder tokens whose K/V this step writes |
+
+    After construction, ``slot_mapping[num_slot_tokens:]`` is filled with -1, so padded
+    tokens never touch the cache.
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_computed_tokens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seq_len: int = -1
+    causal: bool = True
+    num_slot_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_common_metadata(self)
+        # Padded tokens must not write into the cache (also inside full CUDA graphs).
+        real = self.num_actual_tokens if self.num_slot_tokens is None else self.num_slot_tokens
+        if self.slot_mapping.shape[0] > real:
+            self.slot_mapping[real:].fill_(-1)
+        if self.max_seq_len < 0:
+            self.max_seq_len = int(self.seq_lens_cpu[: self.num_reqs].max()) if self.num_reqs else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.query_start_loc.device
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        """(B,) new tokens of each request."""
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+
 class AttentionBackend(ABC):
     """Static description of an attention backend.
 
@@ -92,6 +173,16 @@ class AttentionBackend(ABC):
     supports_sink: ClassVar[bool] = False
     supports_mla: ClassVar[bool] = False
     supports_sparse: ClassVar[bool] = False
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
+    supports_alibi: ClassVar[bool] = False
+    supported_attn_types: ClassVar[tuple[str, ...]] = (AttentionType.DECODER,)
+    runs_on_cpu: ClassVar[bool] = False
+    """Serves CPU tensors (else CUDA only)."""
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    """The oldest CUDA GPU generation it runs on, e.g. ``(8, 0)``; None: any."""
+    feature_notes: ClassVar[dict[str, str]] = {}
+    """Qualifiers of the declarations above, by feature name (e.g. ``{"sinks": "flash-attn-4 only"}``)."""
 
     @staticmethod
     @abstractmethod
@@ -112,21 +203,13 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
         """The logical shape of one layer's KV cache tensor."""
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
-        """Permutation from the logical shape to the physical (allocation) order.
-
-        Backends that do not implement it are allocated in their logical order (identity).
-        """
+        """Permutation from the logical shape to the physical order (not implemented: identity)."""
         raise NotImplementedError
 
     @classmethod
@@ -136,8 +219,6 @@ class AttentionBackend(ABC):
     @classmethod
     def full_cls_name(cls) -> tuple[str, str]:
         return (cls.__module__, cls.__qualname__)
-
-    # ---- what the backend can serve -------------------------------------------------
 
     @classmethod
     def get_supported_head_sizes(cls) -> tuple[int, ...] | None:
@@ -151,50 +232,16 @@ class AttentionBackend(ABC):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Whether the backend can run on this machine (library installed, device present).
-
-        Returns ``(ok, reason)``; ``reason`` says what is missing when not ``ok``.
-        """
+        """``(ok, reason)``: whether it can run on this machine (library installed, device present)."""
         return True, ""
 
     @classmethod
-    def validate_configuration(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str | None,
-        block_size: int,
-        use_mla: bool = False,
-        has_sink: bool = False,
-        use_sparse: bool = False,
-    ) -> list[str]:
-        """Every reason this backend cannot serve the configuration (empty: it can)."""
-        reasons: list[str] = []
-        ok, why = cls.is_available()
-        if not ok:
-            reasons.append(why)
-        head_sizes = cls.get_supported_head_sizes()
-        if head_sizes is not None and head_size not in head_sizes:
-            reasons.append(f"head_size {head_size} not in {list(head_sizes)}")
-        if dtype not in cls.supported_dtypes:
-            reasons.append(
-                f"dtype {dtype} not in {[str(d) for d in cls.supported_dtypes]}"
-            )
-        kv = kv_cache_dtype or "auto"
-        if kv not in cls.supported_kv_cache_dtypes:
-            reasons.append(f"kv_cache_dtype {kv!r} not in {list(cls.supported_kv_cache_dtypes)}")
-        block_sizes = cls.get_supported_block_sizes()
-        if block_sizes is not None and block_size not in block_sizes:
-            reasons.append(f"block_size {block_size} not in {list(block_sizes)}")
-        if use_mla and not cls.supports_mla:
-            reasons.append("MLA not supported")
-        if not use_mla and cls.supports_mla:
-            reasons.append("only serves MLA models")
-        if has_sink and not cls.supports_sink:
-            reasons.append("attention sinks not supported")
-        if use_sparse and not cls.supports_sparse:
-            reasons.append("sparse attention not supported")
-        return reasons
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                               block_size: int, use_mla: bool = False, has_sink: bool = False,
+                               use_sparse: bool = False) -> list[str]:
+        """Every reason this backend cannot serve the configuration (empty: it can); the
+        declarations above are checked by ``vattn.backends.checks.configuration_reasons``."""
+        return configuration_reasons(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse)
 
     @classmethod
     def get_cudagraph_support(cls) -> AttentionCGSupport:
@@ -217,20 +264,11 @@ class AttentionImpl(ABC, Generic[M]):
     kv_cache_dtype: str
     attn_type: str
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -246,23 +284,13 @@ class AttentionImpl(ABC, Generic[M]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         if sinks is not None and sinks.shape != (num_heads,):
-            raise ValueError(
-                f"sinks must have shape (num_heads,) = ({num_heads},), got {tuple(sinks.shape)}."
-            )
+            raise ValueError(f"sinks must have shape (num_heads,) = ({num_heads},), got {tuple(sinks.shape)}.")
         self.sinks = sinks
 
     @abstractmethod
-    def forward(
-        self,
-        layer: "Attention",
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: M | None,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: M | None,
+                output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``key``/``value`` into ``kv_cache`` at the metadata's slots, then attend.
 
         Shapes (T = tokens in the step, H = num_heads, Hk = num_kv_heads, D = head_size):
@@ -285,3 +313,82 @@ class AttentionImpl(ABC, Generic[M]):
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         """Whether this impl can write quantized output for ``quant_key`` in-kernel."""
         return False
+
+
+class AttentionMetadataBuilder(abc.ABC, Generic[M]):
+    """Turns ``CommonAttentionMetadata`` into one backend's metadata, once per step per group.
+
+    Host work (syncs, planning, Python loops) belongs here, never in the impl's forward.
+    ``cudagraph_support`` declares which batches may run inside a full CUDA graph.
+    """
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Decodes are requests with at most this many new tokens (for split_decodes_and_prefills).
+    reorder_batch_threshold: ClassVar[int | None] = 1
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vattn_config: "VattnConfig",
+                 device: torch.device) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vattn_config = vattn_config
+        self.device = torch.device(device)
+
+    @property
+    def full_cudagraph_supported(self) -> bool:
+        return self.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @abc.abstractmethod
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> M:
+        """Build this backend's metadata for one step.
+
+        Args:
+            common_prefix_len: tokens shared by every request (for cascade attention; 0 = none).
+            common_attn_metadata: the batch.
+            fast_build: favour build speed over kernel speed (metadata used by few layers).
+        """
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> M:
+        """Metadata for capturing a CUDA graph; defaults to ``build``."""
+        return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
+
+    def can_run_in_cudagraph(self, common_attn_metadata: CommonAttentionMetadata) -> bool:
+        """Whether this batch may replay a full CUDA graph, by the declared support level."""
+        support = self.cudagraph_support
+        if support == AttentionCGSupport.ALWAYS:
+            return True
+        if support == AttentionCGSupport.NEVER:
+            return False
+        n = common_attn_metadata.num_reqs
+        qlens = common_attn_metadata.query_lens_cpu[:n]
+        if n == 0:
+            return True
+        if support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+            return bool((qlens == 1).all())
+        return bool((qlens == qlens[0]).all())
+
+    def use_cascade_attention(self, common_prefix_len: int, query_lens: Any, num_query_heads: int,
+                              num_kv_heads: int, use_alibi: bool, use_sliding_window: bool, num_sms: int) -> bool:
+        """Whether to run cascade attention over a shared prefix (no vattn backend does)."""
+        return False
+
+    def reorder_batch(self, input_batch: Any, scheduler_output: Any) -> bool:
+        """Reorder the batch so decodes come first; returns whether anything moved."""
+        if self.reorder_batch_threshold is None:
+            return False
+        return reorder_batch_to_split_decodes_and_prefills(input_batch, scheduler_output,
+                                                           decode_threshold=self.reorder_batch_threshold)
+
+
+class AttentionLayerBase(ABC):
+    """What every attention layer (``vattn.Attention``, and an MLA layer beside it) is to the
+    rest of vattn: a module with a backend, an impl and a KV cache, registered by name in its
+    config's static forward context."""
+
+    impl: "AttentionImpl"
+    layer_name: str
+    kv_cache: list[torch.Tensor]
+
+    @abstractmethod
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        """The backend class this layer runs."""

@@ -185,7 +185,7 @@ class AttentionBackendEnum(_RegistryMember, enum.Enum, metaclass=_AttentionBacke
     """
 
     FLASH_ATTN = "vattn.backends.flash_attn.FlashAttentionBackend"
-    TRITON_ATTN = "vattn.backends.triton_attn.TritonAttentionBackend"
+    TRITON_ATTN = "vattn.backends.triton.TritonAttentionBackend"
     FLASHINFER = "vattn.backends.flashinfer.FlashInferBackend"
     TORCH_SDPA = "vattn.backends.torch_sdpa.TorchSDPABackend"
     FLEX_ATTENTION = "vattn.backends.flex_attention.FlexAttentionBackend"

@@ -99,7 +99,7 @@ class SerializableSplitModule(_SerializableBase):  # type: ignore[misc,valid-typ
     def serialize_compile_artifacts(cls, fn: "SerializableSplitModule") -> bytes:
         from torch.fx._graph_pickler import Options
 
-        from vattn.compile_passes.backend import boundary_nodes
+        from vattn.compile_passes.split import boundary_nodes
 
         # Dynamo's bookkeeping per placeholder holds the real example tensors: not saved. Of
         # the fake values, only those at the split's boundaries are used after loading (the
@@ -208,7 +208,7 @@ def cache_key(model: torch.nn.Module, config: Any, *, dynamic: Any, inputs: Sequ
 
     cc = config.compilation
     compilation = {f.name: repr(getattr(cc, f.name)) for f in dataclasses.fields(cc)
-                   if f.name not in ("static_forward_context", "cache_dir")}
+                   if f.name not in ("static_forward_context", "cache_dir", "piece_passes")}  # not in the trace
     rank = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
         if torch.distributed.is_available() and torch.distributed.is_initialized() else None
     factors = {

@@ -1,14 +1,17 @@
-"""Writing new K/V into the paged cache: one function every backend calls.
+"""Writing new K/V into the paged cache: ``store_kv``, which every backend calls, and the
+``vattn::reshape_and_cache_flash`` op around it.
 
-On CUDA it launches the Triton KV-store kernel (no host sync; negative slots skipped in
-the kernel); elsewhere it uses torch indexing.
+On CUDA it launches the Triton KV-store kernel (``vattn.kernels.kv_store``: no host sync,
+negative slots skipped in the kernel); elsewhere it uses torch indexing.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["store_kv", "fp8_dtype_for", "kv_cache_torch_dtype"]
+from vattn.ops.library import register_op
+
+__all__ = ["fp8_dtype_for", "kv_cache_torch_dtype", "reshape_and_cache_flash", "store_kv"]
 
 _FP8 = {
     "fp8": torch.float8_e4m3fn,
@@ -88,8 +91,46 @@ def store_kv(
     Only the first ``min(T, len(slot_mapping))`` rows are considered.
     """
     if key_cache.is_cuda:
-        from vattn.ops.triton_kv_store import triton_store_kv
+        from vattn.kernels.kv_store import triton_store_kv
 
         triton_store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
         return
     _torch_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+# ---- KV-cache write -------------------------------------------------------------------
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write key/value (T, Hk, D) into key_cache/value_cache (num_blocks, block_size, Hk, D) at slot_mapping."""
+    store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def _reshape_and_cache_flash_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    return None
+
+
+register_op(
+    "reshape_and_cache_flash",
+    reshape_and_cache_flash,
+    mutates_args=["key_cache", "value_cache"],
+    fake_impl=_reshape_and_cache_flash_fake,
+)

@@ -8,7 +8,7 @@ bitwise identical on the same device:
   ``torch.compile`` they become ``convert -> div -> clamp -> convert`` nodes that Inductor
   fuses into the kernel producing ``x`` (RoPE, the QKV split).
 * ``torch.ops.vattn.static_scaled_fp8_quant(out!, x, scale)`` (``QuantFP8(use_custom_op=True)``,
-  the default): one Triton kernel on CUDA (``vattn.ops.triton_quant_fp8``), the torch
+  the default): one Triton kernel on CUDA (``vattn.kernels.quant_fp8``), the torch
   ops elsewhere. Opaque to Inductor: under ``vattn.compile`` the ``query_quant_fusion`` pass
   rewrites it back into plain ops (or folds it into the attention op), so the compiled graph
   keeps no standalone quant kernel.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vattn.ops.custom_ops import register_op
+from vattn.ops.library import register_op
 
 __all__ = ["FP8_DTYPES", "GroupShape", "QuantFP8", "QuantKey", "quantize_fp8_native", "static_scaled_fp8_quant"]
 
@@ -102,7 +102,7 @@ def static_scaled_fp8_quant(out: torch.Tensor, x: torch.Tensor, scale: torch.Ten
     """
     _check_op_args(out, x, scale)
     if x.is_cuda:
-        from vattn.ops.triton_quant_fp8 import triton_static_fp8_quant
+        from vattn.kernels.quant_fp8 import triton_static_fp8_quant
 
         triton_static_fp8_quant(out, x, scale)
         return

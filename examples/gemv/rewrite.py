@@ -1,41 +1,26 @@
-"""Linear layers of 1-token code as vattn's Triton GEMV (``CompilationConfig.one_token_gemv``).
+"""The 1-token rewrite: a piece's bias-free linear layers as ``vattn_examples::gemv``.
 
-A batch-1 decode step is a chain of matrix-vector products, each short enough that its
-launch and ramp-up cost about as much as streaming its weight. Inductor's 1-token code turns
-them into fused reductions that run the Llama-3.2-1B projections at 1.4 - 2.8 TB/s on an
-H100. ``vattn::gemv`` (``vattn.ops.triton_gemv``) launches with programmatic dependent
-launch, so each GEMV loads its first weight block while the kernel before it finishes: the
-same four projections in a dependent chain took 46 us a layer against 60 us for cuBLAS
-(``benchmarks/bench_gemv.py``, H100).
+``rewrite(gm)`` works on a piece's Dynamo graph (torch functions, before AOT tracing), for
+code compiled for exactly one token (``examples.gemv.OneTokenGemv`` calls it):
 
-``rewrite(gm)`` works on a piece's Dynamo graph (before AOT tracing), for code compiled for
-exactly one token (``compile_sizes``):
-
-* ``F.linear(x, w)`` without a bias becomes ``vattn::gemv(x, w, False)``;
+* ``F.linear(x, w)`` without a bias becomes ``vattn_examples::gemv(x, w, False)``;
 * ``F.linear(silu(h[..., :I]) * h[..., I:], w)`` with ``h.split(I, -1)`` into two halves
-  (SwiGLU) becomes ``vattn::gemv(h, w, True)``, which applies the activation as it reads;
+  (SwiGLU) becomes ``vattn_examples::gemv(h, w, True)``, which applies the activation as it reads;
 * ``F.linear(rms_norm(h), w)`` with ``transformers``' RMSNorm (float32 mean square, cast
-  back, times the weight) becomes ``vattn::gemv(h, w, False, None, weight, eps)``;
+  back, times the weight) becomes ``vattn_examples::gemv(h, w, False, None, weight, eps)``;
 * ``F.linear(x, w) + r`` (either order, same shape and dtype) passes ``r`` as the residual;
 * a projection whose only use is neox-style RoPE of its first heads (``qkv =
   linear.view(T, heads, D)``, ``x = qkv[:, :R]`` or all of ``qkv``, the other heads read
-  only as ``qkv[:, S:]``, S >= R), written as the example model writes it (``x * cos +
-  x.roll(D // 2, -1) * sin``, sin signed) or as ``transformers`` does (``x * cos +
-  rotate_half(x) * sin``, ``rotate_half(x) = cat((-x2, x1), -1)``), with (T, 1, D) tables of
-  its dtype, passes ``cos``, ``sin``, ``R * D`` and which sin it is: the GEMV stores the
-  heads rotated and ``x`` stands for the rotation's result. Tables computed after the
-  projection (a few pure ops) move before it.
+  only as ``qkv[:, S:]``, S >= R), written as ``transformers`` does (``x * cos +
+  rotate_half(x) * sin``, ``rotate_half(x) = cat((-x2, x1), -1)``) or with the halves rolled
+  (``x * cos + x.roll(D // 2, -1) * sin``, sin signed), with (T, 1, D) tables of its dtype,
+  passes ``cos``, ``sin``, ``R * D`` and which sin it is: the GEMV stores the heads rotated and
+  ``x`` stands for the rotation's result. Tables computed after the projection (a few pure
+  ops) move before it.
 
-A decoder layer's norms and residual adds then need no kernels of their own: 132 instead of
-163 kernels in the batch-1 step of the 1B shape, replay 0.964 -> 0.932 ms (H100); RoPE in
-the QKV projection: 100 instead of 116 kernels, replay 0.873 -> 0.861 ms (H100).
-
-``vattn::gemv`` checks its inputs at run time and falls back to ``F.linear`` for anything
-but one bf16/fp16 row on CUDA, so the rewrite never changes what a graph computes.
-``VattnBackend`` applies it to sm_90+ pieces compiled for 1 token, and compiles them with
-Inductor's own PDL (``triton.enable_pdl``), so the norm before a GEMV lets it start early.
-Together, on the Llama-3.2-1B FULL-graph decode step (H100, ``profile_step.py --gemv on off``)
-the replay went from 1.017 to 0.952 ms; the GEMVs alone gave about 0.03 ms of that.
+A decoder layer's norms, activation and residual adds then need no kernels of their own.
+``vattn_examples::gemv`` checks its inputs at run time and falls back to ``F.linear`` for
+anything but one bf16/fp16 row on CUDA, so the rewrite never changes what a graph computes.
 """
 
 from __future__ import annotations
@@ -49,9 +34,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import examples.gemv.op  # noqa: F401  (registers torch.ops.vattn_examples.gemv)
+
 __all__ = ["rewrite"]
 
-logger = logging.getLogger("vattn.compile_passes.one_token_gemv")
+logger = logging.getLogger("examples.gemv.rewrite")
 
 _SILU = (F.silu, torch.ops.aten.silu.default)
 _MUL = (operator.mul, torch.mul)
@@ -357,7 +344,7 @@ def _hoist(value: Any, before: fx.Node, order: dict[fx.Node, int], budget: int =
 
 
 def rewrite(gm: fx.GraphModule) -> int:
-    """Replace the bias-free ``F.linear`` calls of ``gm`` by ``vattn::gemv`` (in place,
+    """Replace the bias-free ``F.linear`` calls of ``gm`` by ``vattn_examples::gemv`` (in place,
     recompiled), fusing SwiGLU or RMSNorm into their input and a residual add into their
     output; returns how many linear layers were replaced."""
     count = fused = 0
@@ -386,7 +373,7 @@ def rewrite(gm: fx.GraphModule) -> int:
         if rope is not None:
             args = (*args, rope.cos, rope.sin, rope.cols, rope.unsigned_sin)
         with gm.graph.inserting_before(anchor):
-            new = gm.graph.call_function(torch.ops.vattn.gemv.default, args)
+            new = gm.graph.call_function(torch.ops.vattn_examples.gemv.default, args)
         new.meta.update(anchor.meta)
         anchor.replace_all_uses_with(new)
         gm.graph.erase_node(anchor)
@@ -400,5 +387,5 @@ def rewrite(gm: fx.GraphModule) -> int:
         fused += (h is not None) + (norm is not None) + (res is not None) + (rope is not None)
     if count:  # the SwiGLU and norm nodes left unused are dropped by Inductor's dead-code elimination
         gm.recompile()
-        logger.debug("one_token_gemv: %d linear layers -> vattn::gemv, %d input/output fusions", count, fused)
+        logger.debug("OneTokenGemv: %d linear layers -> vattn_examples::gemv, %d input/output fusions", count, fused)
     return count

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_launch import FastLaunch, next_power_of_2, pdl_supported
+from vattn.kernels.launch import FastLaunch, next_power_of_2, pdl_supported
 
 __all__ = ["argmax"]
 

@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_launch import FastLaunch, next_power_of_2
+from vattn.kernels.launch import FastLaunch, next_power_of_2
 
-__all__ = ["default_tiles", "gemv"]
+__all__ = ["default_tiles", "launch_gemv"]
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def default_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     return _gpu_tiles(device)(n, k)
 
 
-def gemv(
+def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     out: torch.Tensor,

@@ -1,6 +1,6 @@
 """vattn's unified paged attention in Triton: the launcher and its launch configurations.
 
-``unified_attention`` runs one mixed batch (decodes and chunked prefills with cached context)
+``paged_attention`` runs one mixed batch (decodes and chunked prefills with cached context)
 in one kernel launch, over a paged KV cache, following FlashAttention's varlen conventions
 (``cu_seqlens_q``, ``seqused_k``, ``block_table``, bottom-right aligned causal mask,
 ``window = (left, right)``). The kernels live in ``triton_attention_kernels``.
@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_attention_kernels import _combine_splits_kernel, _unified_attention_kernel
-from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix
-from vattn.ops.triton_launch import FastLaunch, next_power_of_2, pdl_supported
+from vattn.backends.triton.kernels import _combine_splits_kernel, _unified_attention_kernel
+from vattn.kernels.fp8 import FP8_DTYPES, fp8_round_fix
+from vattn.kernels.launch import FastLaunch, next_power_of_2, pdl_supported
 
-logger = logging.getLogger("vattn.ops.triton_unified_attention")
+logger = logging.getLogger("vattn.backends.triton.paged_attention")
 
 __all__ = [
     "MAX_SPLITS",
@@ -36,7 +36,7 @@ __all__ = [
     "head_pad",
     "select_unified_attention_config",
     "split_scratch_numel",
-    "unified_attention",
+    "paged_attention",
 ]
 
 MAX_SPLITS = 64
@@ -228,7 +228,7 @@ def _as_scale(x: torch.Tensor | float | None, name: str, device: torch.device) -
 
 def _check_fused_store(key: torch.Tensor | None, value: torch.Tensor | None, slot_mapping: torch.Tensor | None,
                        q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """Arguments of the fused KV store (``unified_attention``'s key / value / slot_mapping)."""
+    """Arguments of the fused KV store (``paged_attention``'s key / value / slot_mapping)."""
     if key is None or value is None or slot_mapping is None:
         raise ValueError(
             "key, value and slot_mapping fuse the KV-cache store into attention and come together; got "
@@ -248,7 +248,7 @@ def _check_fused_store(key: torch.Tensor | None, value: torch.Tensor | None, slo
             f"slot_mapping must be (T >= {t},) int64 (or int32), got {tuple(slot_mapping.shape)} {slot_mapping.dtype}.")
 
 
-def unified_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_fp8 import fp8_round_fix, round_to_fp8_grid
+from vattn.kernels.fp8 import fp8_round_fix, round_to_fp8_grid
 
 __all__ = ["triton_static_fp8_quant"]
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_launch import FastLaunch, next_power_of_2
+from vattn.kernels.launch import FastLaunch, next_power_of_2
 
 __all__ = ["copy_decode_metadata"]
 

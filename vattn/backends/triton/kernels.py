@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_fp8 import round_to_fp8_grid, to_cache_dtype
+from vattn.kernels.fp8 import round_to_fp8_grid, to_cache_dtype
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 

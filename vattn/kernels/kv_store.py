@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vattn.ops.triton_fp8 import FP8_DTYPES, fp8_round_fix, to_cache_dtype
-from vattn.ops.triton_launch import FastLaunch, next_power_of_2
+from vattn.kernels.fp8 import FP8_DTYPES, fp8_round_fix, to_cache_dtype
+from vattn.kernels.launch import FastLaunch, next_power_of_2
 
 __all__ = ["triton_store_kv"]
 

@@ -1,0 +1,49 @@
+"""Batch-1 linear layers as one Triton GEMV each, routed into ``vattn.compile`` by a piece pass.
+
+A batch-1 decode step is a chain of matrix-vector products, each short enough that its launch
+and ramp-up cost about as much as streaming its weight. ``OneTokenGemv`` rewrites the pieces
+``vattn.compile`` compiles for exactly one token (``CompilationConfig.compile_sizes`` holding 1)
+so that every bias-free ``F.linear`` runs ``torch.ops.vattn_examples.gemv``, with a decoder
+layer's RMSNorm, SwiGLU activation, residual add and RoPE fused into the projections around
+them (``rewrite.py`` lists the idioms it matches). Plug it in through the public hook::
+
+    cfg = vattn.VattnConfig(compilation=vattn.CompilationConfig(
+        compile_sizes=(1,), piece_passes=(OneTokenGemv(),)))
+
+| module | what |
+| --- | --- |
+| ``kernel`` | the Triton GEMV (``launch_gemv``), with programmatic dependent launch on sm_90+ |
+| ``op`` | ``vattn_examples::gemv``: the kernel for one bf16/fp16 row on CUDA, torch elsewhere |
+| ``rewrite`` | the FX rewrite of a 1-token piece's linear layers into that op |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from examples.gemv import rewrite
+from vattn.kernels.launch import pdl_supported
+
+__all__ = ["OneTokenGemv"]
+
+
+class OneTokenGemv:
+    """``CompilationConfig.piece_passes`` entry: the 1-token rewrite on sm_90+ GPUs.
+
+    Pieces compiled for any other token count, or on other devices, are left alone (the
+    rewrite is only faster where the kernel overlaps its weight loads with the kernel before
+    it, which needs programmatic dependent launch).
+    """
+
+    __name__ = "OneTokenGemv"
+
+    def __call__(self, graph: fx.GraphModule, example_inputs: Sequence[Any], num_tokens: int | None) -> int:
+        if num_tokens != 1:
+            return 0
+        devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
+        if len(devices) != 1 or not pdl_supported(devices.pop()):
+            return 0
+        return rewrite.rewrite(graph)

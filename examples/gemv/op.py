@@ -1,0 +1,101 @@
+"""``torch.ops.vattn_examples.gemv``: a decoder layer's projection for one token, as one op.
+
+The 1-token rewrite (``examples.gemv.rewrite``) puts this op in place of a model's bias-free
+``F.linear`` calls. One bf16/fp16 row on CUDA runs the Triton GEMV (``examples.gemv.kernel``,
+with programmatic dependent launch on sm_90+); anything else runs the same steps in torch, so
+the rewrite never changes what a graph computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import Library, infer_schema
+
+from vattn.kernels.launch import pdl_supported
+
+__all__ = ["gemv"]
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    silu_mul: bool,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
+    rope_unsigned_sin: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)), with the input and output
+    transforms of a decoder layer's projections:
+
+    * ``silu_mul``: x is (T, 2K) ``[gate | up]`` and enters as ``silu(gate) * up``;
+    * ``norm_weight`` (K,): x enters RMSNorm'd, ``norm_weight * (x.float() *
+      rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)`` (the example model's and
+      ``transformers``' RMSNorm);
+    * ``residual``: the result is ``x @ weight.T + residual`` (the projection in x's dtype,
+      then the add);
+    * ``rope_cos`` / ``rope_sin`` (broadcastable to (T, rope_cols // D, D), D their last
+      dim), ``rope_cols``: the first ``rope_cols`` outputs, viewed as heads of D, leave
+      rotated by neox-style RoPE, ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
+      rotate-half needs it: its first half ``-sin``); the rest as projected. Not with ``residual``.
+      ``rope_unsigned_sin``: ``sin`` is the plain table ``transformers``' ``rotate_half`` takes,
+      ``y * cos + cat(-y2, y1) * sin`` (the same rotation).
+
+    One bf16/fp16 row on CUDA runs ``examples.gemv.kernel.launch_gemv`` (with programmatic
+    dependent launch on sm_90+); anything else the same steps in torch.
+    """
+    n, k = weight.shape
+    dt = x.dtype
+    rope = rope_cos is not None
+    if rope and (rope_sin is None or residual is not None or not 0 < rope_cols <= n
+                 or rope_cols % rope_cos.shape[-1] or n % rope_cos.shape[-1] or rope_cos.shape[-1] % 2):
+        raise ValueError(
+            f"vattn_examples::gemv: RoPE needs rope_cos and rope_sin of one even head size D, 0 < rope_cols <= N with "
+            f"rope_cols and N multiples of D, and no residual; got rope_sin {'None' if rope_sin is None else 'set'}, "
+            f"D={rope_cos.shape[-1]}, rope_cols={rope_cols}, N={n}, residual {'set' if residual is not None else 'None'}.")
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dt in (torch.float16, torch.bfloat16)
+            and weight.dtype == dt and weight.stride(1) == 1 and x.stride(1) == 1
+            and (residual is None or (residual.shape == (1, n) and residual.dtype == dt
+                                      and residual.is_contiguous()))
+            and (norm_weight is None or (norm_weight.shape == (k,) and norm_weight.dtype == dt
+                                         and norm_weight.stride(0) == 1 and not silu_mul))
+            and (not rope or all(t.dtype == dt and t.numel() == t.shape[-1] and t.stride(-1) == 1
+                                 for t in (rope_cos, rope_sin)))):
+        from examples.gemv.kernel import launch_gemv
+
+        out = torch.empty(1, n, dtype=dt, device=x.device)
+        launch_gemv(x, weight, out, silu_mul=silu_mul, residual=residual, norm_weight=norm_weight, eps=eps,
+                    rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols, rope_unsigned_sin=rope_unsigned_sin,
+                    pdl=pdl_supported(x.device))
+        return out
+    if silu_mul:
+        x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    out = torch.nn.functional.linear(x, weight)
+    if rope:
+        half = rope_cos.shape[-1] // 2
+        heads = out[:, :rope_cols].unflatten(-1, (-1, 2 * half))
+        if rope_unsigned_sin:
+            heads = heads * rope_cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * rope_sin
+        else:
+            heads = heads * rope_cos + heads.roll(half, -1) * rope_sin
+        return torch.cat([heads.flatten(1).to(out.dtype), out[:, rope_cols:]], dim=1)
+    return out if residual is None else out + residual
+
+
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos: torch.Tensor | None = None,
+               rope_sin: torch.Tensor | None = None, rope_cols: int = 0,
+               rope_unsigned_sin: bool = False) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_lib = Library("vattn_examples", "FRAGMENT")
+_lib.define("gemv" + infer_schema(gemv, mutates_args=[]))
+_lib.impl("gemv", gemv, "CompositeExplicitAutograd")
+torch.library.register_fake("vattn_examples::gemv", _gemv_fake, lib=_lib)

@@ -1,0 +1,217 @@
+"""``CommonAttentionMetadata`` from per-request facts: the block-table and slot-mapping arithmetic
+a caller would otherwise write, vectorized on the host, with one host-to-device copy per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vattn.backends.abstract import CommonAttentionMetadata
+
+__all__ = ["build_common_attn_metadata", "to_device"]
+
+
+def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Numpy arrays as tensors on ``device``, in one host-to-device copy on CUDA.
+
+    The arrays are laid out in one pinned buffer, copied without blocking the host, and
+    returned as views of the device copy: one copy per step instead of one per array (each
+    copy and pinning costs the host tens of microseconds). Each view starts 16-byte aligned,
+    as a tensor of its own would (Triton specialises kernels on pointer alignment).
+    """
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 16) * 16
+    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=True)
+    buf = host.numpy()
+    for a, off in zip(arrays, offsets):
+        buf[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    dev = host.to(device, non_blocking=True)
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the copy viewed as each dtype once (view ops cost the host)
+    out = []
+    for a, off in zip(arrays, offsets):
+        dt = _torch_dtype(a.dtype)
+        if dt not in typed:
+            typed[dt] = dev.view(dt)
+        flat = typed[dt][off // a.itemsize : off // a.itemsize + a.size]
+        out.append(flat if a.ndim == 1 else flat.view(a.shape))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _as_int_array(name: str, values: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(values, (list, tuple)):
+        try:  # Python's min over a short list of ints costs the host less than a numpy reduction
+            fast = bool(min(values, default=0) >= 0)
+        except (TypeError, ValueError):  # not a flat list of numbers: the general path below handles it
+            fast = False
+        if fast:
+            return np.array(values, dtype=np.int64)
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    out = np.asarray(values, dtype=np.int64).reshape(-1)
+    if out.size and out.min() < 0:
+        raise ValueError(f"{name} must be non-negative, got {out.tolist()}.")
+    return out
+
+
+def _block_table_array(
+    block_tables: Sequence[Sequence[int]] | torch.Tensor | np.ndarray, b: int, width: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(table (b, width) int64, row lengths (b,)); tensor/array rows count as full width."""
+    if isinstance(block_tables, (torch.Tensor, np.ndarray)):
+        arr = block_tables.detach().cpu().numpy() if isinstance(block_tables, torch.Tensor) else block_tables
+        arr = np.asarray(arr, dtype=np.int64)
+        if arr.ndim != 2 or arr.shape[0] < b:
+            raise ValueError(
+                f"block_tables must be a 2-D (num_reqs, max_blocks) tensor with at least {b} rows, "
+                f"got shape {tuple(arr.shape)}."
+            )
+        rows = np.full(b, arr.shape[1], dtype=np.int64)
+        arr = arr[:b]
+    else:
+        lists = list(block_tables)
+        if len(lists) < b:
+            raise ValueError(f"block_tables has {len(lists)} rows for {b} requests; give one row per request.")
+        lists = lists[:b]
+        lens = [len(r) for r in lists]
+        w = max(max(lens, default=1), 1)
+        if b and all(n == w for n in lens):  # every row full: one conversion, no per-row copies
+            arr = np.array(lists, dtype=np.int64).reshape(b, w)
+        else:
+            arr = np.zeros((b, w), dtype=np.int64)
+            for r in range(b):
+                arr[r, : lens[r]] = lists[r]
+        rows = np.array(lens, dtype=np.int64)
+    if width is not None:
+        if (rows > width).any() and not isinstance(block_tables, (torch.Tensor, np.ndarray)):
+            raise ValueError(f"max_blocks_per_req={width} is smaller than the longest block table row ({rows.max()}).")
+        arr = np.pad(arr[:, :width], ((0, 0), (0, max(0, width - arr.shape[1]))))
+        rows = np.minimum(rows, width)
+    return arr, rows
+
+
+def build_common_attn_metadata(
+    query_lens: Sequence[int] | torch.Tensor,
+    num_computed_tokens: Sequence[int] | torch.Tensor,
+    block_tables: Sequence[Sequence[int]] | torch.Tensor,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    num_tokens_padded: int | None = None,
+    num_reqs_padded: int | None = None,
+    max_blocks_per_req: int | None = None,
+    causal: bool = True,
+    num_blocks: int | None = None,
+) -> CommonAttentionMetadata:
+    """Turn per-request facts into ``CommonAttentionMetadata`` (vectorized host work, one copy each).
+
+    Args:
+        query_lens: (B,) new tokens of each request, decodes first.
+        num_computed_tokens: (B,) tokens each request already has in the cache.
+        block_tables: B rows of block ids (lists, or a (B, max_blocks) int tensor used as is);
+            row r needs ``ceil(seq_len_r / block_size)`` ids.
+        block_size: tokens per block (the cache's).
+        device: where the device tensors go (CPU mirrors are kept too).
+        num_tokens_padded: pad the token dimension to this (padding slots are -1).
+        num_reqs_padded: pad the request dimension to this (``num_reqs`` is then this). Padded
+            requests take one padded token each while padded tokens remain (query length 1,
+            sequence length 1 on block 0, never written), then query length 0: every kernel
+            accepts them.
+        max_blocks_per_req: width of ``block_table_tensor`` (default: the longest row).
+        causal: False for encoder (bidirectional) attention.
+        num_blocks: the cache's block count; block ids must be below it (checked when given).
+
+    New token ``i`` of request ``r`` sits at position ``num_computed_tokens[r] + i`` and goes to
+    slot ``block_tables[r][pos // block_size] * block_size + pos % block_size``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}.")
+    qlens = _as_int_array("query_lens", query_lens)
+    computed = _as_int_array("num_computed_tokens", num_computed_tokens)
+    b = qlens.shape[0]
+    if computed.shape[0] != b:
+        raise ValueError(
+            f"query_lens ({b}) and num_computed_tokens ({computed.shape[0]}) must describe the same "
+            "requests; give one entry per request."
+        )
+    table, row_lens = _block_table_array(block_tables, b, max_blocks_per_req)
+    seq_lens = computed + qlens
+    need = (seq_lens + (block_size - 1)) // block_size
+    if (row_lens < need).any():
+        r = int(np.nonzero(row_lens < need)[0][0])
+        raise ValueError(
+            f"block_tables[{r}] has {row_lens[r]} blocks but request {r} has {seq_lens[r]} tokens "
+            f"(num_computed_tokens {computed[r]} + query_len {qlens[r]}), needing {need[r]} blocks of "
+            f"{block_size}; allocate more blocks for it."
+        )
+    # Block ids in use must lie in [0, num_blocks); the whole table is checked first (two
+    # reductions), the used part only when that finds an id outside (unused ids may be anything).
+    if table.size and (table.min() < 0 or (num_blocks is not None and table.max() >= num_blocks)):
+        used = np.arange(table.shape[1])[None, :] < need[:, None]
+        bad = used & ((table < 0) | (table >= (num_blocks if num_blocks is not None else np.iinfo(np.int64).max)))
+        if bad.any():
+            r = int(np.nonzero(bad.any(1))[0][0])
+            raise ValueError(
+                f"block_tables[{r}] has block ids {table[r][bad[r]][:4].tolist()} outside [0, {num_blocks}); "
+                "use ids of blocks allocated in this cache (kv.num_blocks)."
+            )
+
+    num_tokens, max_query_len = int(qlens.sum()), int(qlens.max(initial=0))
+    t_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
+    b_pad = b if num_reqs_padded is None else num_reqs_padded
+    if t_pad < num_tokens or b_pad < b:
+        raise ValueError(
+            f"num_tokens_padded={num_tokens_padded} / num_reqs_padded={num_reqs_padded} must be at least "
+            f"the real {num_tokens} tokens / {b} requests."
+        )
+    # Padded requests: one padded token each while any remain, else none.
+    all_q = qlens
+    if b_pad > b:
+        pad_q = (np.arange(b_pad - b) < t_pad - num_tokens).astype(np.int64)
+        all_q = np.concatenate([qlens, pad_q])
+    qsl = np.zeros(b_pad + 1, dtype=np.int32)
+    np.cumsum(all_q, out=qsl[1:])
+    if b_pad == b and table.shape[1]:
+        full_table = table.astype(np.int32)
+    else:
+        full_table = np.zeros((b_pad, max(table.shape[1], 1)), dtype=np.int32)
+        full_table[:b, : table.shape[1]] = table
+
+    slot = np.full(t_pad, -1, dtype=np.int64)
+    if max_query_len == 1 and num_tokens == b:  # one token each (decodes): at the computed count
+        slot[:b] = table[np.arange(b), computed // block_size] * block_size + computed % block_size
+    elif num_tokens:
+        req = np.repeat(np.arange(b), qlens)
+        pos = np.arange(num_tokens) - qsl[:-1][req] + computed[req]
+        slot[:num_tokens] = table[req, pos // block_size] * block_size + pos % block_size
+
+    seq_all = (np.concatenate([seq_lens, pad_q]) if b_pad > b else seq_lens).astype(np.int32)
+    qsl_dev, seq_dev, table_dev, slot_dev = to_device([qsl, seq_all, full_table, slot], torch.device(device))
+    qsl_cpu, seq_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_all)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_dev,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_dev,
+        seq_lens_cpu=seq_cpu,
+        num_computed_tokens_cpu=torch.from_numpy(
+            (np.concatenate([computed, np.zeros(b_pad - b, np.int64)]) if b_pad > b else computed).astype(np.int32)),
+        num_reqs=b_pad,
+        num_actual_tokens=num_tokens,
+        max_query_len=max_query_len,
+        block_table_tensor=table_dev,
+        slot_mapping=slot_dev,
+        max_seq_len=int(seq_lens.max(initial=0)),
+        causal=causal,
+    )

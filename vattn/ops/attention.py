@@ -1,0 +1,173 @@
+"""The attention ops: ``vattn::unified_attention_with_output``, ``vattn::unified_attention``
+and ``vattn::maybe_calc_kv_scales``.
+
+Each looks its layer up by name in the forward context and runs the layer's backend impl.
+To ``torch.compile`` they are opaque (only their fakes are traced), so the step's metadata
+never becomes a graph input and ``vattn.compile`` splits the graph at them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vattn.backends.abstract import AttentionType
+from vattn.config import get_current_vattn_config
+from vattn.forward_context import get_forward_context, is_forward_context_available
+from vattn.ops.library import register_op
+
+__all__ = ["maybe_calc_kv_scales", "unified_attention", "unified_attention_with_output"]
+
+# ---- attention ------------------------------------------------------------------------
+
+
+def _run_layer(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor | None,
+    layer_name: str,
+    output_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    ctx = get_forward_context()
+    layer = ctx.layer(layer_name)
+    attn_metadata = ctx.metadata_for(layer_name)
+    kv_cache = layer.kv_cache[ctx.virtual_engine]
+    if attn_metadata is None:  # warm-up / profile run: cache untouched, zeros out
+        if output is None:
+            return torch.zeros_like(query)
+        output.zero_()
+        return output
+    _check_cache(layer, query, key, kv_cache)
+    if output is None and layer.use_output:
+        output = torch.empty_like(query)
+    return layer.impl.forward(
+        layer, query, key, value, kv_cache, attn_metadata, output=output, output_scale=output_scale
+    )
+
+
+def _check_cache(layer, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """Cheap host checks (no sync) that the layer's cache is bound and matches the inputs."""
+    if layer.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):  # no cache
+        return
+    if kv_cache.numel() == 0:
+        raise RuntimeError(
+            f"{layer.layer_name}: KV cache not allocated/bound; call "
+            "vattn.allocate_kv_cache(cfg, num_blocks=..., device=...) after building the model."
+        )
+    if kv_cache.device != query.device:
+        raise ValueError(
+            f"{layer.layer_name}: KV cache is on {kv_cache.device} but the query is on {query.device}; "
+            "allocate the cache on the model's device."
+        )
+    if key is not None and kv_cache.dtype != key.dtype and not layer.kv_cache_dtype.startswith("fp8"):
+        raise TypeError(
+            f"{layer.layer_name}: KV cache dtype {kv_cache.dtype} does not match key dtype {key.dtype}; "
+            "allocate the cache with dtype= the model dtype (vattn.allocate_kv_cache(..., dtype=...))."
+        )
+
+
+def unified_attention_with_output(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor,
+    layer_name: str,
+    output_scale: torch.Tensor | None = None,
+) -> None:
+    """Attention of layer ``layer_name`` written into ``output`` (T, H, D); see ``vattn.Attention``."""
+    _run_layer(query, key, value, output, layer_name, output_scale)
+
+
+def _check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str) -> None:
+    """The layer's input checks at trace time (``Attention.check_traced_inputs``), when the
+    layer can be found (a forward context, or the current config, names it)."""
+    layer = None
+    if is_forward_context_available():
+        layer = get_forward_context().no_compile_layers.get(layer_name)
+    if layer is None:
+        layer = get_current_vattn_config().compilation.static_forward_context.get(layer_name)
+    if layer is not None:
+        layer.check_traced_inputs(query, key, value)
+
+
+def _unified_attention_with_output_fake(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor,
+    layer_name: str,
+    output_scale: torch.Tensor | None = None,
+) -> None:
+    _check_traced(query, key, value, layer_name)
+
+
+register_op(
+    "unified_attention_with_output",
+    unified_attention_with_output,
+    mutates_args=["output"],
+    fake_impl=_unified_attention_with_output_fake,
+)
+
+
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
+) -> torch.Tensor:
+    """Attention of layer ``layer_name`` for backends without an output buffer; returns (T, H, D)."""
+    return _run_layer(query, key, value, None, layer_name).clone()
+
+
+def _unified_attention_fake(
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
+) -> torch.Tensor:
+    _check_traced(query, key, value, layer_name)
+    return torch.empty_like(query).contiguous()
+
+
+register_op(
+    "unified_attention",
+    unified_attention,
+    mutates_args=[],
+    fake_impl=_unified_attention_fake,
+)
+
+
+# ---- fp8 scales -----------------------------------------------------------------------
+
+
+def maybe_calc_kv_scales(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """Compute the layer's fp8 q/k/v scales from this batch, once (writes the three scale tensors)."""
+    ctx = get_forward_context()
+    layer = ctx.layer(layer_name)
+    if ctx.metadata_for(layer_name) is None or not layer.calculate_kv_scales:
+        return
+    layer.calc_kv_scales(query, key, value)
+
+
+def _maybe_calc_kv_scales_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    layer_name: str,
+) -> None:
+    return None
+
+
+register_op(
+    "maybe_calc_kv_scales",
+    maybe_calc_kv_scales,
+    mutates_args=["q_scale", "k_scale", "v_scale"],
+    fake_impl=_maybe_calc_kv_scales_fake,
+)
+
+

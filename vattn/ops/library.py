@@ -1,0 +1,51 @@
+"""The ``vattn::`` op library: one ``Library("vattn", "FRAGMENT")`` and its registration helper.
+
+``register_op`` defines an op from its Python implementation's type hints, registers that
+implementation for every device (``CompositeExplicitAutograd``: opaque to autograd and
+Dynamo) and its fake right after it. No decorator machinery sits on the call path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.library import Library, infer_schema
+
+__all__ = ["python_impl", "register_op", "vattn_lib"]
+
+vattn_lib = Library("vattn", "FRAGMENT")
+_IMPLS: dict[str, Callable[..., object]] = {}
+
+
+def register_op(
+    name: str,
+    impl: Callable[..., object],
+    *,
+    mutates_args: Sequence[str],
+    fake_impl: Callable[..., object],
+    dispatch_key: str = "CompositeExplicitAutograd",
+    tags: tuple[torch.Tag, ...] = (),
+) -> None:
+    """Define ``vattn::<name>`` from ``impl``'s type hints, with its fake implementation.
+
+    ``CompositeExplicitAutograd`` serves every device with one kernel and keeps the op opaque
+    to autograd and Dynamo.
+    """
+    schema = infer_schema(impl, mutates_args=list(mutates_args))
+    vattn_lib.define(name + schema, tags=tags)
+    vattn_lib.impl(name, impl, dispatch_key)
+    torch.library.register_fake(f"vattn::{name}", fake_impl, lib=vattn_lib)
+    if dispatch_key == "CompositeExplicitAutograd":
+        _IMPLS[f"vattn::{name}"] = impl
+
+
+def python_impl(op: object) -> Callable[..., object] | None:
+    """The Python function behind a ``vattn::`` op (``OpOverload`` or packet) that serves every
+    device, or None. Calling it skips the dispatcher (a few microseconds a call): the
+    compile backend does so for the attention ops between compiled pieces, at run time."""
+    if isinstance(op, torch._ops.OpOverload):
+        return _IMPLS.get(op._schema.name)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return _IMPLS.get(op._qualified_op_name)
+    return None
