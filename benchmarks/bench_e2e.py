@@ -155,7 +155,7 @@ def vattn_decode(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, run
                  seed: int, async_scheduling: bool = True) -> tuple[dict[str, Any], Engine]:
     """Prefill ``batch`` prompts of ``context`` tokens, then time ``new_tokens`` engine steps where all decode.
 
-    ``runner``: Engine keyword arguments (forward_fn / graph_runner / min_tokens). Returns the
+    ``runner``: Engine keyword arguments (forward_fn / graph_runner). Returns the
     figures (``kv_len``: mean sequence length over the timed steps) and the engine, whose
     requests are all still decoding.
     """
@@ -543,8 +543,8 @@ def job_order(args: argparse.Namespace) -> list[tuple[int, int, str]]:
 class VattnImpls:
     """Builds each vattn impl once (compile, capture) and measures it at a shape.
 
-    ``runner(impl)`` is the ``Engine`` keyword arguments (``forward_fn`` / ``graph_runner`` /
-    ``min_tokens``); an impl whose build or run raised stays disabled (compile and capture
+    ``runner(impl)`` is the ``Engine`` keyword arguments (``forward_fn`` / ``graph_runner``);
+    an impl whose build or run raised stays disabled (compile and capture
     errors repeat), and its later rows say why.
     """
 
@@ -586,7 +586,7 @@ class VattnImpls:
         if impl == "vattn-compile":
             return {"forward_fn": compile_model(self.model, self.cfg, "vattn")}
         if impl == "vattn-torch-compile":
-            return {"forward_fn": compile_model(self.model, self.cfg, "inductor"), "min_tokens": 2}
+            return {"forward_fn": compile_model(self.model, self.cfg, "inductor")}
         if impl in GRAPH_MODES:
             base = self.runner("vattn-compile")[0]
             graphs = vattn.CUDAGraphRunner(

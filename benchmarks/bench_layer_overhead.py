@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_layer_overhead needs a CUDA GPU (see ../shared/device/README.md).", file=sys.stderr)
+        print("bench_layer_overhead needs a CUDA GPU.", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     env = common.env_info("cuda")

@@ -50,6 +50,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, roofline  # noqa: E402
+from vattn.backends.triton import config as tcfg  # noqa: E402
 from vattn.backends.triton import paged_attention as tua  # noqa: E402
 
 logger = logging.getLogger("vattn.benchmarks.triton_attn")
@@ -120,17 +121,17 @@ class Batch:
         return 4.0 * H * D * pairs * c.num_seqs
 
 
-def default_config(batch: Batch, num_sms: int) -> tua.UnifiedAttentionConfig:
+def default_config(batch: Batch, num_sms: int) -> tcfg.UnifiedAttentionConfig:
     """The config the TRITON_ATTN builder would pick for this batch."""
     c = batch.case
-    return tua.select_unified_attention_config(
+    return tcfg.select_unified_attention_config(
         num_tokens=batch.q.shape[0], num_seqs=c.num_seqs, num_q_heads=H, num_kv_heads=HK, head_size=D,
-        max_seqlen_q=c.q_len, num_sms=num_sms, max_split_rows=tua.default_max_split_rows(H, D),
+        max_seqlen_q=c.q_len, num_sms=num_sms, max_split_rows=tcfg.default_max_split_rows(H, D),
         kv_fp8=c.kv_dtype != torch.bfloat16)
 
 
-def triton_fn(batch: Batch, config: tua.UnifiedAttentionConfig, out: torch.Tensor) -> Callable[[], None]:
-    n_o, n_lse = tua.split_scratch_numel(tua.default_max_split_rows(H, D), H, D)
+def triton_fn(batch: Batch, config: tcfg.UnifiedAttentionConfig, out: torch.Tensor) -> Callable[[], None]:
+    n_o, n_lse = tcfg.split_scratch_numel(tcfg.default_max_split_rows(H, D), H, D)
     po = torch.empty(n_o, dtype=torch.float32, device=DEVICE) if config.num_splits > 1 else None
     pl = torch.empty(n_lse, dtype=torch.float32, device=DEVICE) if config.num_splits > 1 else None
     fp8 = batch.kv.dtype != torch.bfloat16
@@ -229,7 +230,7 @@ def row(batch: Batch, provider: str, ms: float, method: str, ref: torch.Tensor |
 
 def run_case(case: Case, roof: roofline.Roofline, sweep: bool, quick: bool, skipped: dict[str, str]) -> list[dict[str, Any]]:
     batch = Batch(case)
-    num_sms = tua.device_num_sms(DEVICE)
+    num_sms = tcfg.device_num_sms(DEVICE)
     cfg = default_config(batch, num_sms)
     ours = torch.empty_like(batch.out)
     fn = triton_fn(batch, cfg, ours)
@@ -245,8 +246,8 @@ def run_case(case: Case, roof: roofline.Roofline, sweep: bool, quick: bool, skip
     if sweep:
         variants = SWEEP_PREFILL if case.q_len > 1 else SWEEP_DECODE
         splits = [cfg.num_splits] if cfg.num_splits == 1 else sorted({max(1, cfg.num_splits // 2), cfg.num_splits,
-                                                                      min(tua.MAX_SPLITS, cfg.num_splits * 2)})
-        grid = [tua.UnifiedAttentionConfig(m, n, s, w, st) for (m, n, w, st) in variants for s in splits]
+                                                                      min(tcfg.MAX_SPLITS, cfg.num_splits * 2)})
+        grid = [tcfg.UnifiedAttentionConfig(m, n, s, w, st) for (m, n, w, st) in variants for s in splits]
         for v in common.progress(grid, desc=f"sweep {case.name}"):
             try:
                 vfn = triton_fn(batch, v, batch.out)

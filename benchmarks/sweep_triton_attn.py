@@ -10,7 +10,7 @@ launch overhead). Prints a table per case, fastest first; writes JSON
     PYTHONPATH=$PWD python benchmarks/sweep_triton_attn.py [--plan full] [--jobs 12]
 
 Variants: ``(case, block_m, tile_n, num_warps, num_stages, num_splits, fp8_compute)``;
-``fp8_compute`` sets ``triton_unified_attention.FP8_KV_COMPUTE`` (fp8 cases only).
+``fp8_compute`` sets ``vattn.backends.triton.paged_attention.FP8_KV_COMPUTE`` (fp8 cases only).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 
 from benchmarks import bench_triton_attn as bta  # noqa: E402
 from benchmarks import common  # noqa: E402
+from vattn.backends.triton import config as tcfg  # noqa: E402
 from vattn.backends.triton import paged_attention as tua  # noqa: E402
 
 logger = logging.getLogger("vattn.benchmarks.sweep_triton_attn")
@@ -49,8 +50,8 @@ class Variant(NamedTuple):
     one_loop: bool = False
 
     @property
-    def config(self) -> tua.UnifiedAttentionConfig:
-        return tua.UnifiedAttentionConfig(self.block_m, self.tile_n, self.num_splits, self.num_warps,
+    def config(self) -> tcfg.UnifiedAttentionConfig:
+        return tcfg.UnifiedAttentionConfig(self.block_m, self.tile_n, self.num_splits, self.num_warps,
                                           self.num_stages, self.maxnreg, self.one_loop)
 
 

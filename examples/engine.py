@@ -307,7 +307,6 @@ class Engine:
             given it replaces ``forward_fn``: it pads the batch, builds the metadata and sets the
             forward context itself.
         pad_tokens_to: pad each step's token count up to a multiple of this (padding has slot -1).
-        min_tokens: pad each step to at least this many tokens (2 avoids Dynamo's size-1 specialisation).
         record_logits: keep every sampled row of logits (on CPU) in ``self.logits[req_id]`` (tests).
         token_sync: called on each step's sampled tokens ((N,) int64 on ``device``) before they
             reach the scheduler; returns the tokens to use. Tensor parallelism passes
@@ -322,7 +321,7 @@ class Engine:
                  device: torch.device | str, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  chunked_prefill: bool = True, forward_fn: Callable[..., torch.Tensor] | None = None,
                  graph_runner: Callable[..., torch.Tensor] | None = None, pad_tokens_to: int = 1,
-                 min_tokens: int = 1, seed: int = 0, record_logits: bool = False,
+                 seed: int = 0, record_logits: bool = False,
                  check_invariants: bool = False,
                  token_sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  async_scheduling: bool = True) -> None:
@@ -330,13 +329,13 @@ class Engine:
         self.device = torch.device(device)
         self.forward_fn = forward_fn if forward_fn is not None else model
         self.graph_runner = graph_runner
-        if graph_runner is not None and (pad_tokens_to != 1 or min_tokens != 1):
-            raise ValueError("with graph_runner, leave pad_tokens_to and min_tokens at 1: the runner pads.")
+        if graph_runner is not None and pad_tokens_to != 1:
+            raise ValueError("with graph_runner, leave pad_tokens_to at 1: the runner pads.")
         self.block_size = kv.block_size
         self.allocator = BlockAllocator(kv.num_blocks)
         self.scheduler = Scheduler(self.allocator, self.block_size, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
-        self.pad_tokens_to, self.min_tokens = pad_tokens_to, min_tokens
+        self.pad_tokens_to = pad_tokens_to
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.record_logits = record_logits
         self.logits: dict[int, list[torch.Tensor]] = {}
@@ -382,7 +381,7 @@ class Engine:
                     src.append(self._inflight.rows[req.req_id])
                     ids[-1] = 0
         t = len(ids)
-        t_pad = max(-(-t // self.pad_tokens_to) * self.pad_tokens_to, self.min_tokens)
+        t_pad = -(-t // self.pad_tokens_to) * self.pad_tokens_to
         common = vattn.build_common_attn_metadata(
             query_lens=[n for _, n in scheduled],
             num_computed_tokens=[r.num_computed_tokens for r, _ in scheduled],

@@ -50,10 +50,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def compile_model(model: torch.nn.Module, cfg: vattn.VattnConfig,
                   backend: str = "vattn") -> Callable[..., torch.Tensor]:
     """The compiled forward: ``vattn.compile`` (split at attention, Inductor per piece), or
-    ``torch.compile(fullgraph=True, dynamic=True)`` with the named torch backend."""
+    ``torch.compile(fullgraph=True, dynamic=True)`` with the named torch backend.
+
+    PyTorch specialises a dynamic dimension of size 1: a model traced on several tokens compiles
+    again for its first 1-token step. With the token dimension of the inputs marked unbacked
+    (``torch._dynamo.decorators.mark_unbacked``), one graph serves every token count; that is what the torch
+    backends' calls do here (``vattn.compile`` needs no marking).
+    """
     if backend == "vattn":
         return vattn.compile(model, cfg)
-    return torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        return compiled(input_ids, positions)
+
+    return forward
 
 
 def make_cudagraph_runner(forward_fn: Callable[..., torch.Tensor], cfg: vattn.VattnConfig, kv: Any,
@@ -206,21 +219,17 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
         print("--symm-mem: not available here (see the warning); using NCCL.", file=sys.stderr)
     backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
     forward_fn: Callable[..., torch.Tensor] = model
-    min_tokens = 1
     if args.compile:
         forward_fn = compile_model(model, cfg, args.compile_backend)
-        # torch.compile(dynamic=True) specialises a size-1 token dim: pad 1-token steps to 2.
-        min_tokens = 1 if args.compile_backend == "vattn" else 2
     runner = None
     if args.cudagraph:
         runner = make_cudagraph_runner(forward_fn, cfg, kv, args.max_num_seqs, args.prompt_len + args.output_len,
                                        not args.no_progress)
-        min_tokens = 1  # the runner pads
 
     def new_engine() -> Engine:
         return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, forward_fn=forward_fn, graph_runner=runner,
-                      min_tokens=min_tokens, seed=args.seed, async_scheduling=not args.sync_scheduling,
+                      seed=args.seed, async_scheduling=not args.sync_scheduling,
                       token_sync=tp.broadcast_from_first if tp.size > 1 else None)
 
     warmup_s = 0.0

@@ -51,6 +51,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "get_preset",
+    "rotate_half",
     "init_random_weights",
 ]
 
@@ -228,6 +229,12 @@ def _inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) ->
     )
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x2, x1)`` of the two halves of the last dim (neox-style RoPE, as transformers writes it)."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE from a precomputed float32 cos/sin table.
 
@@ -241,29 +248,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
-        self.register_buffer("signed_sin_cache", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
-        self.half = head_dim // 2
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), each (T, 1, D) in ``dtype``: gathered once per step, shared by all layers
-        (the head axis is added here, once, rather than in every layer)."""
+        """(cos, sin), each (T, 1, D) in ``dtype``: gathered once per step and shared by all layers."""
         return (self.cos_cache.index_select(0, positions).to(dtype)[:, None, :],
-                self.signed_sin_cache.index_select(0, positions).to(dtype)[:, None, :])
+                self.sin_cache.index_select(0, positions).to(dtype)[:, None, :])
 
-    def apply(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """``x`` (T, heads, D) rotated with ``cos_sin`` (from ``cos_sin``).
-
-        ``x * cos + rotate_half(x) * sin``, where rotate_half(x) = cat(-x2, x1) is written as the
-        halves swapped (``roll`` by half the head: index arithmetic, no view of a strided
-        tensor, valid for any token count) times sin with its first half negated, so Inductor
-        computes RoPE, the cos / sin gather and an fp8 quantization after it in one kernel
-        instead of materialising the ``cat``, and ``vattn.compile``'s 1-token code computes it
-        in the QKV projection's epilogue (``one_token_gemv``). Bitwise the same values as the
-        ``cat`` form.
-        """
-        cos, signed_sin = cos_sin
-        return x * cos + x.roll(self.half, -1) * signed_sin
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``x`` (T, heads, D) rotated: ``x * cos + rotate_half(x) * sin``."""
+        cos, sin = cos_sin
+        return x * cos + rotate_half(x) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -115,36 +116,106 @@ def test_fill_kv_is_layout_independent() -> None:
         bench_kernels.split_kv(torch.empty(3, 5, 4, 2, 8), 5)
 
 
-def _synthetic(folder: Path, date: str, value: float, extra: dict | None = None) -> Path:
-    env = {"device_name": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "sm_count": 132, "date": date,
-           "torch": "2.11.0", "git_commit": "abcdef1234567890", "gpu_clocks": {"sm_mhz": 1980.0}}
-    payload = {"benchmark": "e2e", "env": env, "summary": {"note": "hi", "skipped": {"X": {"why": 2}}},
+def _synthetic(folder: Path, stem: str, date: str, value: float, *, device: str = "NVIDIA H100 80GB HBM3",
+               benchmark: str = "e2e", summary: dict | None = None, extra: dict | None = None) -> Path:
+    env = {"device_name": device, "device_type": "cpu" if device.startswith("cpu") else "cuda", "sm_count": 132,
+           "date": date, "torch": "2.11.0", "git_commit": "abcdef1234567890", "gpu_clocks": {"sm_mhz": 1980.0}}
+    payload = {"benchmark": benchmark, "env": env, "summary": summary or {"note": "hi", "quick": True},
                "rows": [{"model": "tiny", "tok_per_s": value}, {"model": "big", "latency_ms": 3.5, **(extra or {})}],
-               "plots": ["e2e-plot.png"]}
-    path = folder / f"e2e-nvidia-h100-{date[:10]}.json"
+               "plots": [f"{stem}.png"]}
+    path = folder / f"{stem}.json"
     path.write_text(json.dumps(payload))
     return path
 
 
-def test_report_renders_latest_result_per_device(tmp_path: Path) -> None:
+def test_report_splits_result_names() -> None:
+    n = report.split_name("e2e-run-z-nvidia-h200-2026-11-26", "NVIDIA H200")
+    assert (n.kind, n.run, n.device, n.date, n.day()) == ("e2e", "z", "nvidia-h200", "2026-11-26",
+                                                          "nvidia-h200-2026-11-26")
+    assert report.split_name("tp-nvidia-h200-2026-11-22-eager", "NVIDIA H200").kind == "tp-eager"
+    assert report.split_name("profile-full-run-b-nvidia-h100-80gb-hbm3-2026-11-25", "").kind == "profile-full"
+    assert report.split_name("e2e-cpu-x86-64-2026-11-26", "cpu (x86_64)").kind == "e2e"
+    assert report.split_name("triton_attn_sweep-e2e-nvidia-h100-80gb-hbm3-2026-11-25").kind == "triton_attn_sweep"
+    assert report.split_name("legacy_name").kind == "legacy_name"
+
+
+def test_report_renders_newest_result_per_kind(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
-    _synthetic(results, "2026-11-20T10:00:00+00:00", 111.0)
-    _synthetic(results, "2026-11-21T10:00:00+00:00", 222.0, extra={"note": "a|b"})
-    (results / "e2e-plot.png").write_bytes(b"\x89PNG\r\n")
+    _synthetic(results, "e2e-nvidia-h100-80gb-hbm3-2026-11-20", "2026-11-20T10:00:00+00:00", 111.0)
+    _synthetic(results, "e2e-run-a-nvidia-h200-2026-11-21", "2026-11-21T09:00:00+00:00", 222.0,
+               device="NVIDIA H200")
+    newest = _synthetic(results, "e2e-run-b-nvidia-h100-80gb-hbm3-2026-11-21", "2026-11-21T10:00:00+00:00", 333.0,
+                        extra={"note": "a|b"})
+    _synthetic(results, "e2e-cpu-x86-64-2026-11-22", "2026-11-22T10:00:00+00:00", 444.0, device="cpu (x86_64)")
+    _synthetic(results, "profile-try-nvidia-h200-2026-11-21", "2026-11-21T11:00:00+00:00", 1.0, device="NVIDIA H200",
+               benchmark="profile", summary={"note": "Tried X: slower, not kept."})
+    (results / f"{newest.stem}.png").write_bytes(b"\x89PNG\r\n")
     (results / "broken.json").write_text("{not json")
     readme = tmp_path / "README.md"
     assert report.main(["--results-dir", str(results), "--output", str(readme)]) == 0
     text = readme.read_text()
     assert text.splitlines()[0] == report.MARKER
-    assert "### NVIDIA H100 80GB HBM3" in text and "#### e2e" in text
-    assert "| model | tok_per_s | latency_ms | note |" in text  # union of the rows' keys
+    assert "### e2e\n\n[e2e-run-b-nvidia-h100-80gb-hbm3-2026-11-21.json](results/" in text
+    assert "333" in text and "111" not in text and "222" not in text and "444" not in text  # newest GPU run only
+    assert "| [e2e](#e2e) | `bench_e2e.py` | `e2e-run-b-nvidia-h100-80gb-hbm3-2026-11-21` | H100 | 2026-11-21 | 4 |" in text
+    assert "| model | tok_per_s | latency_ms | note |" in text  # rows unlike e2e's: every column
     assert "| big |  | 3.5 | a\\|b |" in text
-    assert "222" in text and "111" not in text  # only the latest run of a benchmark per device
-    assert "](results/e2e-plot.png)" in text
+    assert "Script: `benchmarks/bench_e2e.py` `--quick`. 3 older files listed at the end." in text
+    assert f"![e2e: {newest.stem}](results/{newest.stem}.png)" in text
+    assert "| profile-try | `nvidia-h200-2026-11-21` | Tried X: slower, not kept. |" in text
+    assert ("- **e2e** (4): `nvidia-h100-80gb-hbm3-2026-11-21`: b; `nvidia-h200-2026-11-21`: a; "
+            "`nvidia-h100-80gb-hbm3-2026-11-20`; `cpu-x86-64-2026-11-22`") in text
     assert "`broken.json`" in text
-    assert "- **skipped**: X: {why: 2}" in text
-    assert "PYTHONPATH=$PWD python benchmarks/bench_kernels.py --quick" in text
+    assert report.main(["--results-dir", str(results), "--output", str(readme), "--check"]) == 0
+    readme.write_text(text + "stale\n")
+    assert report.main(["--results-dir", str(results), "--output", str(readme), "--check"]) == 1
+
+
+def test_report_takes_probe_findings_from_the_notes() -> None:
+    notes = ("- Dropped: X is slower: 1.0 -> 1.2 ms (H100, `profile-x-nvidia-h100-80gb-hbm3-2026-11-25`); Y "
+             "changes nothing (`profile-y-nvidia-h200-2026-11-26`).\n"
+             "- Kept: X again (`profile-x-nvidia-h100-80gb-hbm3-2026-11-25`).\n")
+    assert report.note_findings(notes) == {
+        "profile-x-nvidia-h100-80gb-hbm3-2026-11-25": "Dropped: X is slower: 1.0 -> 1.2 ms",
+        "profile-y-nvidia-h200-2026-11-26": "Dropped: Y changes nothing",
+    }
+
+
+def test_committed_benchmarks_readme_is_generated_from_the_newest_results(tmp_path: Path) -> None:
+    """benchmarks/README.md equals what report.py makes of the committed results (rerun it when this fails)."""
+    out = tmp_path / "README.md"
+    out.write_text(report.generate(common.RESULTS_DIR, report.BENCH_DIR / "README.md"))
+    text = out.read_text()
+    assert len(text.encode()) <= report.MAX_BYTES
+    results, bad = report.load_results(common.RESULTS_DIR)
+    assert bad == []
+    kinds: dict[str, list[dict]] = {}
+    for r in results:
+        kinds.setdefault(r["_kind"], []).append(r)
+    assert {"e2e", "kernels", "triton_attn", "compile-decode", "compile-coldstart", "tp"} <= set(kinds)
+    for kind, runs in kinds.items():
+        gpu = [r for r in runs if r["env"].get("device_type") != "cpu"] or runs
+        newest = max(gpu, key=lambda r: dt.datetime.fromisoformat(r["env"]["date"]))
+        name = newest["_path"].name
+        if kind.startswith("profile"):
+            assert f"| {kind} | `{newest['_name'].day()}`" in text, kind
+        else:
+            assert f"### {kind}\n\n[{name}](results/{name})" in text, kind
+    committed = report.BENCH_DIR / "README.md"
+    assert committed.read_text() == text, "benchmarks/README.md is stale: run python3 benchmarks/report.py"
+
+
+def test_performance_notes_are_short_and_cite_existing_results() -> None:
+    notes = report.NOTES.read_text()
+    assert len(notes.encode()) <= 15_000
+    cited = set(re.findall(r"[a-z0-9_]+(?:-[a-z0-9_]+)*-\d{4}-\d{2}-\d{2}(?:-[a-z0-9_]+)?(?:\.json|\.png)?", notes))
+    assert len(cited) >= 20
+    missing = [c for c in sorted(cited) if not (common.RESULTS_DIR / (c if c.endswith((".json", ".png"))
+                                                                       else f"{c}.json")).exists()]
+    assert missing == []
+    headline = notes.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    assert 1 <= sum(line.startswith("| ") for line in headline.splitlines()) - 2 <= 6  # rows minus the header
 
 
 def test_bench_kernels_tiny_cpu_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -166,7 +237,7 @@ def test_bench_kernels_tiny_cpu_run(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     for name in data["plots"]:
         assert (tmp_path / name).stat().st_size > 1000
     text = report.render(report.load_results(tmp_path)[0], tmp_path / "README.md")
-    assert "#### kernels" in text and "vattn:TORCH_SDPA" in text
+    assert "### kernels" in text and "vattn:TORCH_SDPA" in text
 
     # A second part with --append replaces the rows it measures again and keeps the others.
     part = ["--device", "cpu", "--tiny", "--backends", "TORCH_SDPA", "--raw", "", "--kv-dtypes", "fp8",
@@ -212,11 +283,11 @@ def test_report_accepts_pre_schema_files(tmp_path: Path) -> None:
     results, bad = report.load_results(tmp_path)
     assert bad == ["empty.json"] and len(results) == 1
     r = results[0]
-    assert r["benchmark"] == "e2e_decode" and r["env"]["device_name"] == "NVIDIA H200"
+    assert r["benchmark"] == "e2e_decode" and r["env"]["device_name"] == "NVIDIA H200" and r["_kind"] == "e2e_x"
     assert r["rows"] == [{"impl": "vattn-eager", "ms_per_step": 5.0}]
     assert r["summary"] == {"new_tokens": 64, "model": {"layers": 16}}
     text = report.render(results, tmp_path / "README.md")
-    assert "### NVIDIA H200" in text and "| vattn-eager | 5 |" in text
+    assert "### e2e_x" in text and "NVIDIA H200" in text and "| vattn-eager | 5 |" in text
 
 
 def test_layer_overhead_work_and_plot(tmp_path: Path) -> None:

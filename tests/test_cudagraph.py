@@ -9,6 +9,10 @@ run; within bf16 tolerance when padded) at every captured size and over steps wh
 sequences grow, finish and join; a builder that breaks the persistent-buffer contract and a
 replay with inputs at other addresses are caught.
 
+Step functions of other signatures (``GraphInput``): the description and the call's argument
+checks (which raise before anything runs) on CPU; a step over ``inputs_embeds`` (T, H) and
+positions (3, T) (``EmbedsStep``) through the same scenario, emulated on CPU and on CUDA.
+
 ``GRAPH_SAFE_TEST`` is a test-only backend that follows the contract in ``vattn.cudagraph``
 (persistent buffers, ``UNIFORM_SINGLE_TOKEN_DECODE``): it exercises FULL graphs even where
 no GPU kernel library is installed.
@@ -16,6 +20,7 @@ no GPU kernel library is installed.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -31,15 +36,17 @@ from vattn.compile_passes.piecewise import CUDAGraphPiece, PiecewiseRun, _Entry,
 from vattn.cudagraph import (
     BatchDescriptor,
     CUDAGraphRunner,
+    GraphInput,
     bucket_size,
     choose_runtime_mode,
     pad_common_attn_metadata,
     resolve_capture_sizes,
     resolve_cudagraph_mode,
 )
+from vattn.cudagraph.inputs import InputBuffers
 from vattn.ops.kv_store import store_kv
 
-from test_compile import VOCAB, Batches, build
+from test_compile import H, VOCAB, Batches, build
 
 M = vattn.CUDAGraphMode
 S = AttentionCGSupport
@@ -307,10 +314,10 @@ def _emulated_capture(fn, pool):  # type: ignore[no-untyped-def]
 def emulated_graphs(monkeypatch):
     """CUDA graphs emulated on CPU (see above); the runner believes it is on a GPU."""
     import vattn.compile_passes.piecewise as piecewise
-    import vattn.cudagraph as cudagraph
+    import vattn.cudagraph.runner as runner_module
 
-    real = cudagraph.resolve_cudagraph_mode
-    monkeypatch.setattr(cudagraph, "resolve_cudagraph_mode", lambda r, **kw: real(r, **{**kw, "on_cuda": True}))
+    real = runner_module.resolve_cudagraph_mode
+    monkeypatch.setattr(runner_module, "resolve_cudagraph_mode", lambda r, **kw: real(r, **{**kw, "on_cuda": True}))
     monkeypatch.setattr(piecewise, "capture_graph", _emulated_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -349,19 +356,23 @@ def models():
     return get
 
 
-def _eager(model, cfg, kv, ids, positions, common) -> torch.Tensor:
+def _eager(model, cfg, kv, tensors, common) -> torch.Tensor:
     with vattn.set_forward_context(kv.build_metadata(common), cfg), torch.no_grad():
-        return model(ids, positions)
+        return model(*tensors)
 
 
-def _compare(runner, model, cfg, kv, ids, positions, common, where: str, exact: bool = True) -> None:
+def _compare(runner, model, cfg, kv, ids, positions, common, where: str, exact: bool = True, adapt=None) -> None:
+    """Runner vs eager on one batch (cache restored in between); ``adapt(ids, positions)`` gives
+    the step function's tensors (default: ``(ids, positions)``)."""
+    tensors = adapt(ids, positions) if adapt is not None else (ids, positions)
     saved = {k: t.clone() for k, t in kv.tensors.items()}
-    got = runner(ids, positions, common).clone()
+    got = runner(*tensors, common).clone()
     bd = runner.last_batch_descriptor
     for k, t in kv.tensors.items():
         t.copy_(saved[k])
-    want = _eager(model, cfg, kv, ids, positions, common)
+    want = _eager(model, cfg, kv, tensors, common)
     t = ids.shape[0]
+    assert got.shape == want.shape and got.shape[0] == t, f"{where}: {tuple(got.shape)} vs {tuple(want.shape)}"
     if exact and bd.mode is not M.NONE and bd.num_tokens == t:  # same sizes: the same kernels ran
         diff = (got.float() - want.float()).abs().max().item()
         assert torch.equal(got, want), f"{where}: {bd} not bitwise equal to eager (max diff {diff})"
@@ -381,9 +392,15 @@ def _decode_batch(kv, n: int, rng: random.Random):
     return ids, torch.tensor(computed, device=device), common
 
 
-def _scenario(backend: str, mode: vattn.CUDAGraphMode, model, cfg, kv, where: str) -> None:
-    """Replay equals eager at every captured size and over steps where sequences grow, finish, join."""
-    runner = CUDAGraphRunner(model, cfg, kv, capture_sizes=SIZES, mode=mode, max_model_len=128, show_progress=False)
+def _scenario(backend: str, mode: vattn.CUDAGraphMode, model, cfg, kv, where: str, *, inputs=None,
+              adapt=None) -> None:
+    """Replay equals eager at every captured size and over steps where sequences grow, finish, join.
+
+    ``model`` is the step function, ``inputs`` its ``GraphInput``s and ``adapt(ids, positions)``
+    its tensors for a batch (default: the ``(input_ids, positions)`` adapter)."""
+    runner = CUDAGraphRunner(model, cfg, kv, inputs=inputs, capture_sizes=SIZES, mode=mode, max_model_len=128,
+                             show_progress=False)
+    compare = functools.partial(_compare, adapt=adapt)
     try:
         runner.capture()
         if runner.mode is not M.NONE:
@@ -392,17 +409,17 @@ def _scenario(backend: str, mode: vattn.CUDAGraphMode, model, cfg, kv, where: st
         where = f"{where}/{backend}/{mode.name}->{runner.mode.name}"
         for n in SIZES:  # every captured size exactly (bitwise), and padded from n - 1
             for m in sorted({n, max(n - 1, 1)}):
-                _compare(runner, model, cfg, kv, *_decode_batch(kv, m, rng), f"{where}/decode {m}")
+                compare(runner, model, cfg, kv, *_decode_batch(kv, m, rng), f"{where}/decode {m}")
                 seen.add(runner.last_batch_descriptor.mode)
         dev = runner.device
         for q in (3, 12):  # a prefill that fits a capture size, one that does not
             common = kv.common_metadata([q], [0], [[1 + q]])
             ids, positions = torch.randint(0, VOCAB, (q,), device=dev), torch.arange(q, device=dev)
-            _compare(runner, model, cfg, kv, ids, positions, common, f"{where}/prefill {q}")
+            compare(runner, model, cfg, kv, ids, positions, common, f"{where}/prefill {q}")
             seen.add(runner.last_batch_descriptor.mode)
         batches = Batches(kv, seed=5, max_reqs=6)
         for step in range(16):  # grow, finish, join
-            _compare(runner, model, cfg, kv, *batches.step(), f"{where}/step {step}")
+            compare(runner, model, cfg, kv, *batches.step(), f"{where}/step {step}")
             seen.add(runner.last_batch_descriptor.mode)
         assert M.NONE in seen  # the 12-token prefill
         if runner.mode in (M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
@@ -490,5 +507,210 @@ def test_piecewise_replay_with_moved_inputs_is_caught(device: str, models, reque
             with piecewise_run(PiecewiseRun(runner.key, 4, check_addresses=True)):
                 with pytest.raises(RuntimeError, match="fixed addresses"):
                     compiled(ids, positions)  # not the runner's persistent buffers
+    finally:
+        runner.release()
+
+
+# ---- step functions of other signatures: GraphInput ----------------------------------------
+
+
+class EmbedsStep(torch.nn.Module):
+    """A step over ``inputs_embeds`` (T, H) and M-RoPE-style ``positions`` (3, T): the TinyModel's
+    layers without its embedding. Every row of ``positions`` changes the result."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, pos = inputs_embeds, positions[0] + positions[1] - positions[2]
+        for layer in self.model.layers:
+            x = layer(pos, x)
+        return self.model.norm(x)
+
+
+def _embeds_inputs(dtype: torch.dtype) -> list[GraphInput]:
+    return [GraphInput(dtype, (H,), name="inputs_embeds"), GraphInput(torch.long, (3,), token_dim=1, name="positions")]
+
+
+def _embeds_adapter(model: torch.nn.Module):  # type: ignore[no-untyped-def]
+    """(ids (T,), positions (T,)) -> (inputs_embeds (T, H), positions (3, T)) with distinct rows."""
+
+    def adapt(ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            embeds = model.embed(ids)
+        return embeds, torch.stack([positions, 2 * positions + 1, positions + 1])
+
+    return adapt
+
+
+@pytest.fixture(scope="module")
+def embeds_steps(models):
+    """(backend, device, compiled) -> (model, cfg, kv, EmbedsStep over model, compiled or not)."""
+    cache: dict[tuple[str, str, bool], torch.nn.Module] = {}
+
+    def get(name: str, device: str = "cuda", compiled: bool = False) -> tuple:
+        model, cfg, kv, _ = models(name, device)
+        if (name, device, compiled) not in cache:
+            step = EmbedsStep(model)
+            if compiled:
+                step = vattn.compile(step, cfg, dynamic_arg_dims={"inputs_embeds": 0, "positions": 1})
+                common = kv.common_metadata([3], [0], [[1]])
+                with vattn.set_forward_context(kv.build_metadata(common), cfg):  # compile now
+                    step(torch.zeros(3, H, dtype=model.embed.weight.dtype, device=device),
+                         torch.zeros(3, 3, dtype=torch.long, device=device))
+            cache[(name, device, compiled)] = step
+        return model, cfg, kv, cache[(name, device, compiled)]
+
+    return get
+
+
+def test_graph_input_describes_token_major_tensors() -> None:
+    ids = GraphInput(torch.long)
+    assert ids.shape == () and ids.token_dim == 0 and ids.full_shape(5) == (5,) and ids.describe() == "(T,)"
+    embeds = GraphInput(torch.bfloat16, (64,))
+    assert embeds.full_shape(5) == (5, 64) and embeds.describe() == "(T, 64)"
+    mrope = GraphInput(torch.long, [3], token_dim=-1)  # a list is fine; -1 = last
+    assert mrope == GraphInput(torch.long, (3,), token_dim=1) and mrope.full_shape(5) == (3, 5)
+    assert mrope.describe() == "(3, T)" and mrope.label(1) == "input 1"
+    assert GraphInput(torch.long, name="positions").label(1) == "positions"
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        GraphInput("int64")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"shape must be the positive sizes.*got \(0,\)"):
+        GraphInput(torch.long, (0,))
+    with pytest.raises(ValueError, match="shape must be"):
+        GraphInput(torch.long, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"token_dim must be in \[-2, 1\].*got 2"):
+        GraphInput(torch.long, (3,), token_dim=2)
+
+
+def test_runner_rejects_a_bad_inputs_description() -> None:
+    model, cfg, kv = build(1, use_inductor=False)
+    for bad, what in [(GraphInput(torch.long), "sequence of vattn.GraphInput"), ([], "non-empty"),
+                      ([GraphInput(torch.long), torch.long], "item 1 is a dtype")]:
+        with pytest.raises(TypeError, match=what):
+            CUDAGraphRunner(model, cfg, kv, inputs=bad, max_batch_size=8, show_progress=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model must be callable"):
+        CUDAGraphRunner(None, cfg, kv)
+
+
+def test_input_buffers_pad_with_zeros_at_fixed_addresses() -> None:
+    inputs = _embeds_inputs(torch.float32)
+    bufs = InputBuffers(inputs, 8, torch.device("cpu"))
+    embeds, positions = torch.randn(4, H), torch.arange(12).view(3, 4)
+    got = bufs.load([embeds, positions], 4)
+    assert [tuple(v.shape) for v in got] == [(4, H), (3, 4)] and all(v.is_contiguous() for v in got)
+    assert torch.equal(got[0], embeds) and torch.equal(got[1], positions)
+    got = bufs.load([embeds[:2], positions[:, :2]], 4)  # stale rows 2..3 are zeroed
+    assert torch.equal(got[0][:2], embeds[:2]) and not got[0][2:].any()
+    assert torch.equal(got[1][:, :2], positions[:, :2]) and not got[1][:, 2:].any()
+    for n in (1, 2, 8):  # every size's view starts at the buffer's address
+        assert [v.data_ptr() for v in bufs.views(n)] == [f.data_ptr() for f in bufs.flat]
+        assert bufs.views(n) is bufs.views(n)
+
+
+def test_default_adapter_checks_input_ids_and_positions() -> None:
+    model, cfg, kv = build(1, use_inductor=False)
+    runner = CUDAGraphRunner(model, cfg, kv, max_batch_size=8, show_progress=False)
+    assert [(i.dtype, i.shape, i.token_dim, i.name) for i in runner.inputs] == [
+        (torch.long, (), 0, "input_ids"), (torch.long, (), 0, "positions")]
+    ids, positions, common = _decode_batch(kv, 3, random.Random(0))
+    with pytest.raises(TypeError, match=r"input_ids has dtype torch.int32, expected torch.int64.*\.to\("):
+        runner(ids.int(), positions, common)
+    with pytest.raises(ValueError, match=r"positions has shape \(3, 1\), expected \(T,\)"):
+        runner(ids, positions[:, None], common)
+    with pytest.raises(TypeError, match=r"got 1 tensor\(s\).*expected 2 \(input_ids, positions\)"):
+        runner(ids, common_attn_metadata=common)
+    torch.testing.assert_close(runner(ids, positions, common_attn_metadata=common),
+                               _eager(model, cfg, kv, (ids, positions), common))
+
+
+def test_call_arguments_checked_before_anything_runs(emulated_graphs) -> None:
+    model, cfg, kv = build(1, attn_backend=GraphSafeBackend, **CPU_MODEL)  # type: ignore[arg-type]
+    step, calls = EmbedsStep(model), []
+
+    def counting_step(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(len(args))
+        return step(*args)
+
+    runner = CUDAGraphRunner(counting_step, cfg, kv, inputs=_embeds_inputs(torch.float32), capture_sizes=(4,),
+                             mode=M.FULL_DECODE_ONLY, max_model_len=128, show_progress=False)
+    ids, positions, common = _decode_batch(kv, 4, random.Random(1))
+    embeds, pos3 = _embeds_adapter(model)(ids, positions)
+    bad_calls = [
+        ((embeds, common), {}, TypeError, r"got 1 tensor\(s\).*expected 2 \(inputs_embeds, positions\)"),
+        ((embeds, pos3, common, common), {}, TypeError, "got 3 tensor"),
+        ((embeds, pos3), {}, TypeError, "last positional argument is Tensor"),
+        ((), {}, TypeError, "last positional argument is no arguments"),
+        ((embeds, pos3), {"common_attn_metadata": "common"}, TypeError, "must be a vattn.CommonAttentionMetadata"),
+        ((embeds.double(), pos3, common), {}, TypeError, "inputs_embeds has dtype torch.float64, expected torch.float32"),
+        ((embeds, pos3.float(), common), {}, TypeError, "positions has dtype torch.float32, expected torch.int64"),
+        ((embeds[:, :-1], pos3, common), {}, ValueError, rf"inputs_embeds has shape \(4, {H - 1}\), expected \(T, {H}\)"),
+        ((embeds, pos3.T, common), {}, ValueError, r"positions has shape \(4, 3\), expected \(3, T\)"),
+        ((embeds, pos3[0], common), {}, ValueError, r"positions has shape \(4,\), expected \(3, T\)"),
+        ((embeds[:3], pos3[:, :3], common), {}, ValueError, "inputs_embeds has 3 tokens .*num_actual_tokens is 4"),
+        ((embeds, pos3[:, :3], common), {}, ValueError, r"positions has 3 tokens \(dim 1 of \(3, 3\)\)"),
+        ((embeds.to("meta"), pos3, common), {}, ValueError, "inputs_embeds is on meta, the KV cache on cpu"),
+        ((embeds, "pos", common), {}, TypeError, "positions must be a torch.Tensor of shape \\(3, T\\)"),
+    ]
+    for args, kwargs, err, match in bad_calls:
+        with pytest.raises(err, match=match):
+            runner(*args, **kwargs)
+    assert not calls and not runner.captured and runner.last_batch_descriptor is None  # nothing ran
+    got = runner(embeds, pos3, common_attn_metadata=common).clone()
+    assert runner.captured and runner.last_batch_descriptor.mode is M.FULL and calls == [2, 2, 2]  # warm-up, capture, emulated replay
+    torch.testing.assert_close(got, _eager(step, cfg, kv, (embeds, pos3), common))
+
+
+@pytest.mark.parametrize(
+    "mode, compiled",
+    [(M.FULL, False), *[(m, True) for m in MODES]],
+    ids=lambda v: v.name if isinstance(v, M) else ("compiled" if v else "eager"),
+)
+def test_step_function_inputs_emulated_on_cpu(mode, compiled: bool, embeds_steps, emulated_graphs) -> None:
+    model, cfg, kv, step = embeds_steps("GRAPH_SAFE_TEST", "cpu", compiled)
+    _scenario("GRAPH_SAFE_TEST", mode, step, cfg, kv, "cpu-emulated/embeds", inputs=_embeds_inputs(torch.float32),
+              adapt=_embeds_adapter(model))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "mode, compiled",
+    [(M.FULL, False), *[(m, True) for m in MODES]],
+    ids=lambda v: v.name if isinstance(v, M) else ("compiled" if v else "eager"),
+)
+@pytest.mark.parametrize("backend", ["GRAPH_SAFE_TEST", "TRITON_ATTN"])
+def test_step_function_inputs_replay_equals_eager(backend: str, mode, compiled: bool, embeds_steps) -> None:
+    """A step over (inputs_embeds (T, H) bf16, positions (3, T)): replay equals eager at every
+    captured size (bitwise when exactly sized), padded, and over growing batches."""
+    model, cfg, kv, step = embeds_steps(backend, "cuda", compiled)
+    _scenario(backend, mode, step, cfg, kv, "cuda/embeds", inputs=_embeds_inputs(CUDA_MODEL["dtype"]),
+              adapt=_embeds_adapter(model))
+
+
+@pytest.mark.cuda
+def test_default_adapter_replays_on_cuda(models) -> None:
+    """``runner(input_ids, positions, common)`` and the keyword form replay graphs equal to eager
+    at every captured size."""
+    model, cfg, kv, compiled = models("GRAPH_SAFE_TEST")
+    runner = CUDAGraphRunner(compiled, cfg, kv, capture_sizes=SIZES, mode=M.FULL_AND_PIECEWISE, max_model_len=128,
+                             show_progress=False)
+    try:
+        rng = random.Random(4)
+        for n in SIZES:
+            ids, positions, common = _decode_batch(kv, n, rng)
+            _compare(runner, compiled, cfg, kv, ids, positions, common, f"default adapter/decode {n}")
+            assert runner.last_batch_descriptor.mode is M.FULL
+            keyword = lambda ids, positions: (ids, positions)  # noqa: E731
+            saved = {k: t.clone() for k, t in kv.tensors.items()}
+            got = runner(*keyword(ids, positions), common_attn_metadata=common).clone()
+            for k, t in kv.tensors.items():
+                t.copy_(saved[k])
+            assert torch.equal(got, _eager(compiled, cfg, kv, (ids, positions), common)), f"keyword call, {n}"
+        for q in (3, 5):  # prefills: piecewise graphs
+            common = kv.common_metadata([q], [0], [[1 + q]])
+            ids, positions = torch.randint(0, VOCAB, (q,), device="cuda"), torch.arange(q, device="cuda")
+            _compare(runner, compiled, cfg, kv, ids, positions, common, f"default adapter/prefill {q}")
+            assert runner.last_batch_descriptor.mode is M.PIECEWISE
     finally:
         runner.release()

@@ -23,7 +23,7 @@ from attn_harness import (
     make_random_batch,
     reference_attention,
 )
-from vattn.backends import flash_attn as fa_mod
+from vattn.backends.flash_attn import interface as fa_interface
 from vattn.backends.abstract import AttentionCGSupport
 from vattn.backends.flash_attn import (
     FlashAttentionBackend,
@@ -72,13 +72,13 @@ def test_interface_limits(name: str, arch: int, args: tuple, expected: str | Non
 
 def test_validate_configuration_uses_the_installed_interface(monkeypatch: pytest.MonkeyPatch) -> None:
     fa2 = FlashAttnInterface("fa2", "2.8.3", fn=lambda *a, **k: None)
-    monkeypatch.setattr(fa_mod, "get_flash_attn_interface", lambda: (fa2, ""))
+    monkeypatch.setattr(fa_interface, "get_flash_attn_interface", lambda: (fa2, ""))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert FlashAttentionBackend.validate_configuration(128, BF16, "auto", 256) == []
     assert any("block_size % 256" in r for r in FlashAttentionBackend.validate_configuration(128, BF16, "auto", 16))
     assert any("MLA" in r for r in FlashAttentionBackend.validate_configuration(128, BF16, "auto", 256, True))
     assert FlashAttentionBackend.get_cudagraph_support() == AttentionCGSupport.UNIFORM_BATCH
-    monkeypatch.setattr(fa_mod, "get_flash_attn_interface", lambda: (None, "no usable FlashAttention (x)"))
+    monkeypatch.setattr(fa_interface, "get_flash_attn_interface", lambda: (None, "no usable FlashAttention (x)"))
     assert FlashAttentionBackend.validate_configuration(128, BF16, "auto", 16) == ["no usable FlashAttention (x)"]
     assert FlashAttentionBackend.get_cudagraph_support() == AttentionCGSupport.ALWAYS
 
@@ -212,7 +212,7 @@ def _fake_fa4_fwd(q, k, v, *, out, cu_seqlens_q, seqused_k, page_table, max_seql
 @pytest.fixture
 def fake_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
     iface = FlashAttnInterface("fa4", "stand-in", fn=_fake_fa4_fwd, has_out=True)
-    monkeypatch.setattr(fa_mod, "get_flash_attn_interface", lambda: (iface, ""))
+    monkeypatch.setattr(fa_interface, "get_flash_attn_interface", lambda: (iface, ""))
 
 
 # ---- shared by the CPU stand-in tests and the GPU tests ----------------------------------------

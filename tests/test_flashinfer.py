@@ -27,7 +27,8 @@ from attn_harness import (
     make_random_batch,
     reference_attention,
 )
-from vattn.backends import flashinfer as fi_mod
+from vattn.backends.flashinfer import backend as fi_backend
+from vattn.backends.flashinfer import paging as fi_paging
 from vattn.backends.abstract import AttentionCGSupport
 from vattn.backends.flashinfer import (
     FlashInferBackend,
@@ -98,7 +99,7 @@ def test_layer_overhead_benchmark_refuses_to_run_without_a_gpu(capsys: pytest.Ca
     ],
 )
 def test_validate_configuration_reasons(monkeypatch: pytest.MonkeyPatch, args: tuple, expected: str | None) -> None:
-    monkeypatch.setattr(fi_mod, "_availability", lambda: (True, ""))
+    monkeypatch.setattr(fi_backend, "_availability", lambda: (True, ""))
     reasons = FlashInferBackend.validate_configuration(*args)
     if expected is None:
         assert reasons == []
@@ -165,7 +166,7 @@ def test_builder_needs_one_window_cap_and_scale_across_layers() -> None:
 @pytest.mark.parametrize("kwargs", [dict(alibi_slopes=[0.5] * 8), dict(sinks=torch.zeros(8)),
                                     dict(attn_type="encoder_only")])
 def test_impl_refuses_what_flashinfer_cannot_do(kwargs: dict) -> None:
-    with pytest.raises(NotImplementedError, match="FLASHINFER does not support"):
+    with pytest.raises(NotImplementedError, match=f"FLASHINFER {next(iter(kwargs))}: expected .* got .*; use "):
         FlashInferImpl(8, 64, 0.125, 2, **kwargs)
 
 
@@ -252,8 +253,8 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
     dec.fast_decode_plan = _fast_decode_plan  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     monkeypatch.setitem(sys.modules, "flashinfer.decode", dec)
-    monkeypatch.setattr(fi_mod, "WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(fi_mod, "_workspaces", {})
+    monkeypatch.setattr(fi_paging, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(fi_paging, "_workspaces", {})
 
 
 # ---- shared by the CPU stand-in tests and the GPU tests ----------------------------------------

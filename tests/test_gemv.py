@@ -203,33 +203,56 @@ def test_kernel_rope_rejects_bad_arguments() -> None:
             triton_gemv.launch_gemv(x, w, out, **kwargs)
 
 
+class _RolledRope(torch.nn.Module):
+    """Neox RoPE written with the halves rolled and a signed sin table (``x * cos + x.roll(D // 2,
+    -1) * signed_sin``): the other RoPE idiom the 1-token rewrite matches (the example model and
+    transformers write ``rotate_half``)."""
+
+    def __init__(self, d: int, positions: int) -> None:
+        super().__init__()
+        from examples.model import RotaryEmbedding
+
+        table = RotaryEmbedding(d, positions, 10000.0)
+        half = d // 2
+        self.half = half
+        self.register_buffer("cos_cache", table.cos_cache)
+        self.register_buffer("signed_sin_cache", torch.cat((-table.sin_cache[:, :half], table.sin_cache[:, half:]), -1))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos_cache.index_select(0, positions).to(dtype)[:, None, :],
+                self.signed_sin_cache.index_select(0, positions).to(dtype)[:, None, :])
+
+    def apply(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        cos, signed_sin = cos_sin
+        return x * cos + x.roll(self.half, -1) * signed_sin
+
+
 def test_op_rope_fallback_and_opcheck() -> None:
-    """Off the fast path the op rotates in torch exactly as the example model does (bf16 ops,
-    each rounded), for any token count; bad RoPE arguments are refused by name."""
+    """Off the fast path the op rotates in torch exactly as the models do (bf16 ops, each
+    rounded), for any token count, with either sin table; bad RoPE arguments are refused by name."""
     from examples.model import RotaryEmbedding
 
     g = torch.Generator().manual_seed(3)
-    rope = RotaryEmbedding(16, 64, 10000.0)
+    rolled, rope = _RolledRope(16, 64), RotaryEmbedding(16, 64, 10000.0)
     for rows in (1, 3):
         x = torch.randn(rows, 24, generator=g).bfloat16()
         w = torch.randn(5 * 16, 24, generator=g).bfloat16()
-        cos_sin = rope.cos_sin(torch.randint(0, 64, (rows,), generator=g), torch.bfloat16)
-        got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *cos_sin, 3 * 16)
+        positions = torch.randint(0, 64, (rows,), generator=g)
+        signed = rolled.cos_sin(positions, torch.bfloat16)  # the signed sin table, rolled halves
+        got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *signed, 3 * 16)
         heads = F.linear(x, w).view(rows, 5, 16)
-        want = torch.cat((rope.apply(cos_sin, heads[:, :3]), heads[:, 3:]), dim=1).flatten(1)
+        want = torch.cat((rolled.apply(signed, heads[:, :3]), heads[:, 3:]), dim=1).flatten(1)
         assert torch.equal(got, want)
-        opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, *cos_sin, 3 * 16))
-    # transformers' rotate-half form: the plain sin table
-    cos, sin = cos_sin[0], cos_sin[1].abs()
-    got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, cos, sin, 5 * 16, True)
-    heads = F.linear(x, w).view(rows, 5, 16)
-    want = heads * cos + torch.cat((-heads[..., 8:], heads[..., :8]), dim=-1) * sin
-    assert torch.equal(got, want.flatten(1))
-    opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, cos, sin, 5 * 16, True))
+        opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, *signed, 3 * 16))
+        # rotate_half with the plain sin table (the example model, transformers)
+        plain = rope.cos_sin(positions, torch.bfloat16)
+        got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *plain, 5 * 16, True)
+        assert torch.equal(got, rope.apply(plain, heads).flatten(1))
+        opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, *plain, 5 * 16, True))
     with pytest.raises(ValueError, match="rope_cols=24"):
-        torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *cos_sin, 24)
+        torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *signed, 24)
     with pytest.raises(ValueError, match="residual set"):
-        torch.ops.vattn_examples.gemv(x, w, False, torch.zeros(rows, 80).bfloat16(), None, 0.0, *cos_sin, 32)
+        torch.ops.vattn_examples.gemv(x, w, False, torch.zeros(rows, 80).bfloat16(), None, 0.0, *signed, 32)
 
 
 class _Block(torch.nn.Module):
@@ -461,19 +484,19 @@ def test_pdl_supported_only_on_cuda_sm90() -> None:
 
 
 class _QKVRope(torch.nn.Module):
-    """The example model's attention input: RMSNorm -> fused QKV projection -> RoPE of the
-    q and k heads (``RotaryEmbedding.apply``) -> q, k, v. ``variant`` breaks one condition
+    """A fused-QKV attention input: RMSNorm -> fused QKV projection -> RoPE of the q and k heads
+    (rolled halves, signed sin: ``_RolledRope``) -> q, k, v. ``variant`` breaks one condition
     of the fusion: ``"reuse"`` also returns the unrotated heads, ``"overlap"`` takes v from
     a rotated head, ``"float32_table"`` rotates with float32 cos / sin (type promotion)."""
 
     def __init__(self, variant: str = "", heads: int = 4, kv_heads: int = 2, d: int = 16, hidden: int = 32) -> None:
         super().__init__()
-        from examples.model import RMSNorm, RotaryEmbedding
+        from examples.model import RMSNorm
 
         self.variant, self.h, self.hk, self.d = variant, heads, kv_heads, d
         self.norm = RMSNorm(hidden, 1e-5)
         self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * d, bias=False)
-        self.rope = RotaryEmbedding(d, 64, 10000.0)
+        self.rope = _RolledRope(d, 64)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dtype = torch.float32 if self.variant == "float32_table" else x.dtype
@@ -505,8 +528,8 @@ def test_rewrite_fuses_rope_into_the_qkv_projection() -> None:
 
 
 def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
-    """The example model's 1-token graph: every layer's QKV projection takes RoPE (a change
-    to how the model writes RoPE that loses the match fails here), and no roll is left."""
+    """The example model's 1-token graph: every layer's QKV projection takes RoPE (its
+    ``rotate_half`` form, the plain sin), and no rotation is left outside the projections."""
     import vattn
     from examples.model import DecoderForCausalLM, get_preset, init_random_weights
 
@@ -522,12 +545,12 @@ def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
     with vattn.set_forward_context(None, cfg):
         gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
     assert one_token_gemv.rewrite(gm) == 3 * 4
-    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default and len(n.args) > 6 and not n.args[9]]
+    rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default and len(n.args) > 6 and n.args[9]]
     assert len(rope) == 3 and all(n.args[8] == (model.config.num_attention_heads
                                                 + model.config.num_key_value_heads) * model.config.head_dim
                                   for n in rope)
     gm.graph.eliminate_dead_code()
-    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "roll"]
+    assert not [n for n in gm.graph.nodes if n.target is torch.cat]
 
 
 class _HFStyleAttentionInput(torch.nn.Module):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vattn  # noqa: E402
 from examples.engine import PENDING, BlockAllocator, Engine, Request, SamplingParams, greedy, sample  # noqa: E402
+from examples.generate import compile_model  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -149,12 +150,9 @@ def test_compiled_same_tokens_no_recompiles(backend: str) -> None:
 
     torch._dynamo.reset()
     counters.clear()
-    if backend == "vattn":
-        compiled = vattn.compile(model, cfg)
-    else:
-        compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+    compiled = compile_model(model, cfg, backend)  # torch backends: traced size-obliviously
     engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, forward_fn=compiled,
-                    min_tokens=2, record_logits=True)
+                    record_logits=True)
     engine.add_request(list(range(8)), SamplingParams(max_tokens=2))  # warm-up: one prefill, one decode
     engine.run()
     assert counters["stats"]["unique_graphs"] == 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+
+import vattn
+import subprocess
 import sys
 import types
 
@@ -15,9 +18,14 @@ from vattn.backends.registry import (
     MambaAttentionBackendEnum,
     register_backend,
     registry_generation,
+    vattn_version,
 )
 
 B = AttentionBackendEnum
+#: The backends this version ships, and the named ones it does not (later versions may add some).
+IMPLEMENTED = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TORCH_SDPA")
+NAMED_ONLY = ("FLEX_ATTENTION", "CPU_ATTN", "TREE_ATTN", "NO_ATTENTION", "FLASHMLA", "FLASHMLA_SPARSE",
+              "FLASHINFER_MLA", "TRITON_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA")
 
 
 @pytest.fixture(autouse=True)
@@ -74,16 +82,82 @@ def test_default_paths_point_into_vattn_backends():
             assert member.get_path().startswith("vattn.backends."), member
 
 
-def test_unknown_name_lists_valid_options():
-    with pytest.raises(ValueError, match=r"Unknown attention backend: 'NOPE'") as ei:
+def test_unknown_name_lists_implemented_then_named_only():
+    with pytest.raises(ValueError, match=r"^Unknown attention backend: 'NOPE'\. Valid options are: ") as ei:
         B["NOPE"]
     msg = str(ei.value)
-    assert "Valid options are:" in msg
-    for name in ("FLASH_ATTN", "TORCH_SDPA", "CUSTOM"):
-        assert name in msg
-    with pytest.raises(ValueError, match="Valid options are: MAMBA1"):
-        MambaAttentionBackendEnum["NOPE"]
+    valid, sep, named_only = msg.partition(f"; named but not implemented in {vattn_version()}: ")
+    assert sep, msg
+    for name in IMPLEMENTED:
+        assert name in valid.split(": ", 2)[-1].split(", "), (name, msg)
+        assert name not in named_only.split(", ")
+    assert "CUSTOM (register a backend first)" in valid
+    assert named_only.split(", ") == [m.name for m in B if m.name in NAMED_ONLY]
     assert B["TORCH_SDPA"] is B.TORCH_SDPA
+
+
+def test_unknown_name_moves_a_registered_member_to_valid(fake_module):
+    register_backend(B.FLEX_ATTENTION, "_vattn_fake_backends.FakeA")
+    with pytest.raises(ValueError) as ei:
+        B["NOPE"]
+    valid, _, named_only = str(ei.value).partition("named but not implemented")
+    assert "FLEX_ATTENTION" in valid and "FLEX_ATTENTION" not in named_only
+    assert "FLASHMLA" in named_only
+
+
+def test_unknown_mamba_name():
+    with pytest.raises(ValueError) as ei:
+        MambaAttentionBackendEnum["NOPE"]
+    assert str(ei.value) == (
+        "Unknown attention backend: 'NOPE'. Valid options are: CUSTOM (register a backend first); "
+        f"named but not implemented in {vattn_version()}: MAMBA1, MAMBA2, SHORT_CONV, LINEAR, GDN_ATTN"
+    )
+
+
+def test_is_implemented():
+    for name in IMPLEMENTED:
+        assert B[name].is_implemented(), name
+    for name in NAMED_ONLY:
+        assert not B[name].is_implemented(), name
+    assert not B.CUSTOM.is_implemented()  # an empty slot until something is registered
+    assert all(not m.is_implemented() for m in MambaAttentionBackendEnum)
+
+
+def test_is_implemented_follows_overrides(fake_module):
+    register_backend(B.CUSTOM, "_vattn_fake_backends.FakeA")
+    assert B.CUSTOM.is_implemented()
+    register_backend(B.FLASHMLA, "_vattn_fake_backends.FakeB")
+    assert B.FLASHMLA.is_implemented()
+    assert B.FLASHMLA.get_class() is fake_module.FakeB
+    B.FLASHMLA.clear_override()
+    B.CUSTOM.clear_override()
+    assert not B.FLASHMLA.is_implemented() and not B.CUSTOM.is_implemented()
+
+    @register_backend(MambaAttentionBackendEnum.GDN_ATTN, is_mamba=True)
+    class MyGDN:
+        pass
+
+    assert MambaAttentionBackendEnum.GDN_ATTN.is_implemented()
+    assert not MambaAttentionBackendEnum.MAMBA1.is_implemented()
+
+
+def test_is_implemented_imports_nothing():
+    """Finding a module must not import it (or the kernel library it would pull in)."""
+    code = (
+        "import sys, vattn\n"
+        "from vattn.backends.registry import AttentionBackendEnum as B\n"
+        "before = set(sys.modules)\n"
+        "print([m.name for m in B if m.is_implemented()])\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith(('vattn', 'triton', 'flash'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    implemented, newly_imported = out.strip().splitlines()
+    assert implemented == repr(list(IMPLEMENTED))
+    assert newly_imported == "[]"
+
+
+def test_vattn_version():
+    assert vattn_version() == f"vattn {vattn.__version__}"
 
 
 def test_unregistered_custom_is_a_clear_error():
@@ -95,11 +169,27 @@ def test_unregistered_custom_is_a_clear_error():
         MambaAttentionBackendEnum.CUSTOM.get_class()
 
 
-def test_missing_module_import_error_names_backend():
-    with pytest.raises(ImportError, match=r"FLASHMLA.*'vattn.backends.mla.flashmla' does not exist"):
+def test_not_implemented_member_says_so():
+    with pytest.raises(ImportError) as ei:
         B.FLASHMLA.get_class()
-    with pytest.raises(ImportError, match="MAMBA2"):
+    msg = str(ei.value)
+    assert msg.startswith(f"FLASHMLA is not implemented in {vattn_version()} ")
+    assert "'vattn.backends.mla.flashmla'" in msg
+    assert f"Choose one of the implemented ones ({', '.join(IMPLEMENTED)})" in msg
+    assert "register_backend(AttentionBackendEnum.FLASHMLA, 'your.module.YourBackend')" in msg
+    assert "not installed" not in msg  # not to be confused with a missing library
+    with pytest.raises(ImportError, match=r"^MAMBA2 is not implemented in .*Register your own class with "
+                       r"register_backend\(MambaAttentionBackendEnum.MAMBA2, 'your.module.YourBackend', is_mamba=True\)"):
         MambaAttentionBackendEnum.MAMBA2.get_class()
+
+
+def test_override_with_a_missing_module_is_not_called_unimplemented():
+    register_backend(B.CUSTOM, "_vattn_no_such_pkg.mod.Backend")
+    with pytest.raises(ImportError) as ei:
+        B.CUSTOM.get_class()
+    msg = str(ei.value)
+    assert "CUSTOM: module '_vattn_no_such_pkg.mod' of the registered class path" in msg
+    assert "does not exist" in msg and "not implemented" not in msg
 
 
 def test_missing_class_and_missing_dependency(monkeypatch, tmp_path, fake_module):
@@ -111,8 +201,9 @@ def test_missing_class_and_missing_dependency(monkeypatch, tmp_path, fake_module
     monkeypatch.syspath_prepend(str(tmp_path))
     register_backend(B.CUSTOM, "_vattn_broken_backend.X")
     with pytest.raises(ImportError, match=r"CUSTOM: importing '_vattn_broken_backend' failed because "
-                       r"'_vattn_not_installed_lib' is not installed"):
+                       r"'_vattn_not_installed_lib' is not installed") as ei:
         B.CUSTOM.get_class()
+    assert "not implemented" not in str(ei.value)
     monkeypatch.delitem(sys.modules, "_vattn_broken_backend", raising=False)
 
 

@@ -9,7 +9,7 @@ import torch
 
 import vattn.selector as selector
 from vattn.backends.abstract import AttentionBackend
-from vattn.backends.registry import _OVERRIDES, AttentionBackendEnum, register_backend
+from vattn.backends.registry import _OVERRIDES, AttentionBackendEnum, register_backend, vattn_version
 from vattn.platform import CpuPlatform, CudaPlatform, DeviceCapability, Platform, current_platform
 from vattn.selector import (
     backend_name_to_enum,
@@ -22,6 +22,7 @@ from vattn.selector import (
 
 B = AttentionBackendEnum
 ENV = "VATTN_ATTENTION_BACKEND"
+IMPLEMENTED = "FLASH_ATTN, TRITON_ATTN, FLASHINFER, TORCH_SDPA"  # this version's, in registry order
 F16 = torch.float16
 
 
@@ -148,6 +149,23 @@ def test_priority_order_takes_first_that_can_serve(monkeypatch):
     del unavailable, later
 
 
+def test_layer_features_are_checked_against_the_declarations(monkeypatch):
+    """A backend that declares no ALiBi / window / soft cap / encoder attention is passed over
+    for a layer that uses it, and the listing says why."""
+    plain = register_backend(B.FLASHINFER)(make_backend("FLASHINFER"))  # the defaults: decoder, nothing else
+    rich = register_backend(B.CUSTOM)(make_backend(
+        "CUSTOM", supports_alibi=True, supports_sliding_window=True, supports_logits_soft_cap=True,
+        supported_attn_types=("decoder", "encoder")))
+    use_platform(monkeypatch, ListPlatform(B.FLASHINFER, B.CUSTOM))
+    assert get_attn_backend(64, F16, "auto", 16) is plain
+    for feature in ({"use_alibi": True}, {"use_sliding_window": True}, {"use_logits_soft_cap": True},
+                    {"attn_type": "encoder"}):
+        assert get_attn_backend(64, F16, "auto", 16, **feature) is rich, feature
+    use_platform(monkeypatch, ListPlatform(B.FLASHINFER))
+    with pytest.raises(ValueError, match=r"(?s)use_alibi=True.*FLASHINFER: ALiBi not supported"):
+        get_attn_backend(64, F16, "auto", 16, use_alibi=True)
+
+
 def test_backend_that_fails_to_import_is_skipped(monkeypatch):
     fallback = register_backend(B.CUSTOM)(make_backend("CUSTOM"))
     use_platform(monkeypatch, ListPlatform(B.FLASHMLA, B.CUSTOM))  # FLASHMLA's module does not exist
@@ -216,31 +234,55 @@ def test_context_manager_restores_and_clears_cache():
 # ---- errors -----------------------------------------------------------------------
 
 
-def test_no_backend_serves_lists_every_backend_with_reasons(monkeypatch):
+def test_no_backend_serves_groups_candidates(monkeypatch):
     register_backend(B.FLASH_ATTN)(make_backend("FLASH_ATTN", head_sizes=(64, 128)))
     register_backend(B.TRITON_ATTN)(make_backend("TRITON_ATTN", head_sizes=(32, 64, 128, 256)))
-    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.TRITON_ATTN, B.FLASHMLA))
+    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.FLASHMLA, B.TRITON_ATTN, B.TREE_ATTN))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(7, F16, "auto", 16)
+    lines = str(ei.value).splitlines()
+    assert lines[0].startswith("no attention backend on cpu can serve head_size=7")
+    assert lines[1:5] == [
+        "Candidates that cannot serve here, and why:",
+        "  FLASH_ATTN: head_size 7 not in [64, 128]",
+        "  TRITON_ATTN: head_size 7 not in [32, 64, 128, 256]",
+        f"Candidates not implemented in {vattn_version()}: FLASHMLA, TREE_ATTN",
+    ]
+    assert "register_backend" in lines[5]
+    assert "does not exist" not in str(ei.value)  # unimplemented ones are never imported
+
+
+def test_only_unimplemented_candidates(monkeypatch):
+    use_platform(monkeypatch, ListPlatform(B.FLASHMLA, B.TRITON_MLA))
+    with pytest.raises(ValueError) as ei:
+        get_attn_backend(64, F16, "auto", 16)
     msg = str(ei.value)
-    assert "no attention backend on cpu can serve head_size=7" in msg
-    assert "FLASH_ATTN: head_size 7 not in [64, 128]" in msg
-    assert "TRITON_ATTN: head_size 7 not in [32, 64, 128, 256]" in msg
-    assert "FLASHMLA: attention backend AttentionBackendEnum.FLASHMLA: module" in msg
+    assert f"\nCandidates not implemented in {vattn_version()}: FLASHMLA, TRITON_MLA\n" in msg
+    assert "cannot serve here" not in msg
+
+
+def test_missing_override_module_cannot_serve_here(monkeypatch):
+    register_backend(B.CUSTOM, "_vattn_no_such_pkg.Backend")
+    use_platform(monkeypatch, ListPlatform(B.CUSTOM))
+    with pytest.raises(ValueError, match=r"cannot serve here, and why:\n  CUSTOM: .*does not exist") as ei:
+        get_attn_backend(64, F16, "auto", 16)
+    assert "not implemented" not in str(ei.value)
 
 
 def test_mla_on_cpu_is_refused_with_reason():
-    with pytest.raises(ValueError, match=r"use_mla=True.*\n.*\n  TORCH_SDPA: .*MLA not supported"):
+    with pytest.raises(ValueError, match=r"use_mla=True.*\nCandidates that cannot serve here, and why:\n"
+                       r"  TORCH_SDPA: .*MLA not supported"):
         get_attn_backend(64, F16, "auto", 16, use_mla=True)
 
 
-def test_mla_on_cuda_lists_mla_backends(monkeypatch):
+def test_mla_on_cuda_lists_mla_backends_as_not_implemented(monkeypatch):
     use_platform(monkeypatch, CudaPlatform())
     with pytest.raises(ValueError) as ei:
         get_attn_backend(576, torch.bfloat16, "auto", 64, use_mla=True)
     msg = str(ei.value)
-    for name in ("FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "TRITON_MLA"):
-        assert f"  {name}: " in msg
+    assert (f"Candidates not implemented in {vattn_version()}: FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, "
+            "FLASH_ATTN_MLA, TRITON_MLA\n") in msg
+    assert "cannot serve here" not in msg
     assert "FLASH_ATTN:" not in msg.replace("FLASH_ATTN_MLA", "")
 
 
@@ -251,11 +293,34 @@ def test_forced_backend_that_cannot_serve_says_why(monkeypatch):
         ValueError,
         match=r"TRITON_ATTN \(forced by global_force_attn_backend\) cannot serve head_size=80.*"
         r"head_size 80 not in \[64\]",
-    ):
+    ) as ei:
         get_attn_backend(80, F16, "auto", 16)
-    global_force_attn_backend(None)
-    monkeypatch.setenv(ENV, "FLASHMLA")
-    with pytest.raises(ValueError, match=r"FLASHMLA \(forced by VATTN_ATTENTION_BACKEND='FLASHMLA'\).*does not exist"):
+    assert "not implemented" not in str(ei.value)
+
+
+@pytest.mark.parametrize("how", ["env", "global"])
+def test_forced_backend_not_implemented_says_so(monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv(ENV, "flashmla")
+        source = "VATTN_ATTENTION_BACKEND='flashmla'"
+    else:
+        global_force_attn_backend("FLASHMLA")
+        source = "global_force_attn_backend"
+    with pytest.raises(ValueError) as ei:
+        get_attn_backend(64, F16, "auto", 16)
+    msg = str(ei.value)
+    assert msg.startswith(f"attention backend FLASHMLA (forced by {source}) is not implemented in {vattn_version()}. "
+                          f"Implemented backends: {IMPLEMENTED}. ")
+    assert "register_backend(AttentionBackendEnum.FLASHMLA" in msg
+    assert "does not exist" not in msg and "cannot serve" not in msg
+
+
+def test_forced_unimplemented_name_with_an_override_is_used(monkeypatch):
+    mine = register_backend(B.FLEX_ATTENTION)(make_backend("FLEX_ATTENTION"))
+    monkeypatch.setenv(ENV, "FLEX_ATTENTION")
+    assert get_attn_backend(64, F16, "auto", 16) is mine  # the registry generation is in the cache key
+    B.FLEX_ATTENTION.clear_override()
+    with pytest.raises(ValueError, match="FLEX_ATTENTION .* is not implemented in"):
         get_attn_backend(64, F16, "auto", 16)
 
 
@@ -277,7 +342,9 @@ def test_registered_non_backend_class_is_rejected(monkeypatch):
 
 def test_unknown_env_name_lists_valid(monkeypatch):
     monkeypatch.setenv(ENV, "FLASH_ATTENTION_9")
-    with pytest.raises(ValueError, match=r"VATTN_ATTENTION_BACKEND='FLASH_ATTENTION_9'.*Valid options are: .*TORCH_SDPA"):
+    with pytest.raises(ValueError, match=r"VATTN_ATTENTION_BACKEND='FLASH_ATTENTION_9' is not an attention "
+                       rf"backend\. Valid options are: {IMPLEMENTED}, CUSTOM \(register a backend first\); "
+                       r"named but not implemented in .*: FLEX_ATTENTION, .*FLASH_ATTN_MLA\. Set it"):
         get_env_variable_attn_backend()
     with pytest.raises(ValueError, match="Valid options are"):
         get_attn_backend(64, F16, "auto", 16)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import vattn  # noqa: E402
 from examples.engine import Engine, SamplingParams  # noqa: E402
+from examples.generate import compile_model  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
 from examples.tp import TensorParallel, attention_shards  # noqa: E402
 
@@ -93,7 +94,7 @@ def generate(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, tp: Ten
     torch._dynamo.reset()
     counters.clear()
     if how == "compiled":
-        kw.update(forward_fn=torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager"), min_tokens=2)
+        kw.update(forward_fn=compile_model(model, cfg, "aot_eager"))
     elif how.startswith("cudagraph"):
         fn = vattn.compile(model, cfg) if how == "cudagraph-compiled" else model
         runner = vattn.CUDAGraphRunner(fn, cfg, kv, max_batch_size=8, max_model_len=64, show_progress=False,

@@ -27,6 +27,7 @@ from attn_harness import (
 )
 import triton_modules
 from vattn.backends.abstract import AttentionCGSupport, AttentionType
+from vattn.backends.triton import config as tcfg
 from vattn.backends.utils import AttentionSpec, CommonAttentionMetadata, set_kv_cache_layout
 from vattn.config import CompilationConfig, VattnConfig
 
@@ -40,7 +41,7 @@ _OPS = ("vattn.kernels.fp8", "vattn.backends.triton.kernels",
 
 OPS = triton_modules.load(_OPS)
 tua = OPS["vattn.backends.triton.paged_attention"]
-UnifiedAttentionConfig = tua.UnifiedAttentionConfig
+UnifiedAttentionConfig = tcfg.UnifiedAttentionConfig
 triton_store_kv = OPS["vattn.kernels.kv_store"].triton_store_kv
 
 from vattn.backends.triton import (  # noqa: E402
@@ -364,7 +365,7 @@ def test_fuzz_mixed_batches(spec: BatchSpec, seed: int) -> None:
 
 
 def test_config_selection_is_static_and_fills_the_gpu() -> None:
-    sel = tua.select_unified_attention_config
+    sel = tcfg.select_unified_attention_config
     kw = dict(num_q_heads=32, num_kv_heads=8, head_size=128, num_sms=132)
     big = sel(num_tokens=64, num_seqs=64, max_seqlen_q=1, **kw)
     assert (big.block_m, big.num_splits) == (16, 1)  # 64 x 8 programs fill 132 SMs

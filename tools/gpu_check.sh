@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (after the kit's three install calls, see ../shared/device/README.md):
+# Runs on a GPU machine with the kernel libraries installed:
 #   bash tools/gpu_check.sh PHASE [PHASE...]
 # Phases: env, sdpa, triton, flashinfer, flash_attn, compile, compile-cache, cudagraph, model, all-tests (every test,
 #         GPU ones included, 4 workers), gpu-tests (the GPU-marked ones), profile (profile_step.py),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vattn._version import __version__
 from vattn.backends.abstract import (
     AttentionBackend,
     AttentionCGSupport,
@@ -52,7 +53,6 @@ from vattn.selector import (
     global_force_attn_backend_context_manager,
 )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "allocate_kv_cache",
@@ -83,6 +83,7 @@ __all__ = [
     "get_global_forced_attn_backend",
     "get_kv_cache_layout",
     "get_per_layer_parameters",
+    "GraphInput",
     "global_force_attn_backend",
     "global_force_attn_backend_context_manager",
     "infer_global_hyperparameters",
@@ -102,6 +103,7 @@ __all__ = [
 _LAZY = {
     "compile": ("vattn.compile_passes.compiler", "compile"),
     "CUDAGraphRunner": ("vattn.cudagraph", "CUDAGraphRunner"),
+    "GraphInput": ("vattn.cudagraph", "GraphInput"),
 }
 
 

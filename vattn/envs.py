@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-__all__ = ["environment_variables"]
+__all__ = ["environment_variables", "is_set", "raw"]
 
 
 def _opt_str(name: str) -> Callable[[], str | None]:
@@ -78,6 +78,20 @@ if __debug__:  # static names for type checkers
     VATTN_Q_SCALE_CONSTANT: int
     VATTN_K_SCALE_CONSTANT: int
     VATTN_V_SCALE_CONSTANT: int
+
+
+def is_set(name: str) -> bool:
+    """Whether variable ``name`` (one of ``environment_variables``) is set, as opposed to at its default."""
+    if name not in environment_variables:
+        raise KeyError(f"{name!r} is not a vattn environment variable; known: {list(environment_variables)}.")
+    return name in os.environ
+
+
+def raw(name: str) -> str | None:
+    """The text variable ``name`` is set to, or None when it is unset."""
+    if name not in environment_variables:
+        raise KeyError(f"{name!r} is not a vattn environment variable; known: {list(environment_variables)}.")
+    return os.environ.get(name)
 
 
 def __getattr__(name: str) -> Any:

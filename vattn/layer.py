@@ -50,12 +50,14 @@ def validate_kv_sharing_target(layer_name: str, target: str, context: dict[str, 
         )
 
 
-def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **select: Any) -> type[AttentionBackend]:
-    """The selected backend, or the given one after checking it can serve the layer."""
+def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, features: dict[str, Any],
+                     **select: Any) -> type[AttentionBackend]:
+    """The selected backend, or the given one after checking it can serve the layer
+    (``select``: ``validate_configuration``'s arguments; ``features``: ``feature_reasons``')."""
     if attn_backend is None:
-        return get_attn_backend(**select)
+        return get_attn_backend(**select, **features)
     backend = _backend_class(attn_backend)
-    reasons = backend.validate_configuration(**select)
+    reasons = backend.validate_configuration(**select) + backend.feature_reasons(**features)
     if reasons:
         raise ValueError(
             f"attn_backend={backend.get_name()} cannot serve this layer: {'; '.join(reasons)}. "
@@ -186,8 +188,11 @@ class Attention(nn.Module, AttentionLayerBase):
                 )
             self.quant_method.create_weights(self)
 
+        features = dict(attn_type=attn_type, use_sliding_window=sliding_window is not None,
+                        use_logits_soft_cap=bool(logits_soft_cap), use_alibi=alibi_slopes is not None)
         self.attn_backend = _resolve_backend(
             attn_backend,
+            features,
             head_size=head_size,
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,

@@ -7,7 +7,7 @@ Backend priority (the selector tries these in order and takes the first whose
 
 | platform | model | order |
 | --- | --- | --- |
-| cuda, sm_90 (Hopper) | standard attention, fp16/bf16 | TRITON_ATTN, FLASHINFER, FLASH_ATTN, TORCH_SDPA (measured) |
+| cuda, sm_90 (Hopper) | standard attention, fp16/bf16 | TRITON_ATTN, FLASHINFER, FLASH_ATTN, TORCH_SDPA (by measurement: see ``CudaPlatform.hopper_priority``) |
 | cuda, other | standard attention, fp16/bf16 | FLASH_ATTN (flash-attn-4 / FA3 / FA2), FLASHINFER, TRITON_ATTN, TORCH_SDPA |
 | cuda | float32 | TORCH_SDPA, TRITON_ATTN (the libraries serve only fp16/bf16) |
 | cuda | MLA (``use_mla``) | FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, TRITON_MLA |
@@ -16,9 +16,12 @@ Backend priority (the selector tries these in order and takes the first whose
 
 Why this order on CUDA: FlashAttention and FlashInfer are the fastest tuned kernels where
 installed (each reports itself unavailable otherwise); vattn's Triton kernels need only
-Triton; SDPA is the always-works reference. On CPU only SDPA is a sensible default;
-TRITON_ATTN runs there only under ``TRITON_INTERPRET=1`` and only when forced
-(``VATTN_ATTENTION_BACKEND=TRITON_ATTN`` or ``vattn.global_force_attn_backend``).
+Triton; SDPA is the always-works reference. On Hopper the measured order differs (Triton
+first, for decode; the numbers are in benchmarks/README.md). The MLA list names backends
+for versions to come: the selector reports those the installed version does not implement.
+On CPU only SDPA is a sensible default; TRITON_ATTN runs there only under
+``TRITON_INTERPRET=1`` and only when forced (``VATTN_ATTENTION_BACKEND=TRITON_ATTN`` or
+``vattn.global_force_attn_backend``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ _B = AttentionBackendEnum
 
 
 class DeviceCapability(NamedTuple):
-    """CUDA compute capability, e.g. ``(9, 0)`` for H100."""
+    """CUDA compute capability, e.g. ``(9, 0)`` for Hopper (sm_90)."""
 
     major: int
     minor: int
@@ -118,13 +121,12 @@ class CudaPlatform(Platform):
     attention_priority = (_B.FLASH_ATTN, _B.FLASHINFER, _B.TRITON_ATTN, _B.TORCH_SDPA)
     mla_priority = (_B.FLASHMLA, _B.FLASHINFER_MLA, _B.CUTLASS_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
 
-    #: Hopper (sm_90), measured on an H200 (benchmarks/results/*-nvidia-h200-*.json). Decode, which
-    #: dominates generation: vattn's Triton kernel matches FlashInfer's on the bare kernel (64 x 4k,
-    #: 1-4 x 32k: 0.97-1.03x) and beats it in the compiled full-graph step of Llama-3.2-1B (0.99 vs
-    #: 1.13 ms at batch 1, 1.35 vs 1.61 ms at batch 64, context 512), at about a quarter of the host
-    #: time per step (no plan), and its fused fp8 step is faster than FlashInfer's fp8 step (3.04 vs
-    #: 3.47 ms). flash-attn-4 has no split-KV on sm_90 (8x slower at 1 x 32k) but the fastest
-    #: prefill (1.2x the Triton kernel's).
+    #: Hopper (sm_90). Decode dominates generation, and there vattn's Triton kernel keeps pace
+    #: with FlashInfer's on the bare kernel and is faster in a compiled full-graph decode step: it
+    #: has no per-step plan, so it spends a fraction of FlashInfer's host time per step, and its
+    #: fused fp8 step is faster too. flash-attn-4 has no split-KV on sm_90, so a decode of few
+    #: long requests is far slower, though its prefill is the fastest; it stays behind FlashInfer.
+    #: The measurements behind this order: benchmarks/README.md (from benchmarks/results/*.json).
     hopper_priority = (_B.TRITON_ATTN, _B.FLASHINFER, _B.FLASH_ATTN, _B.TORCH_SDPA)
     #: float32 models: the reference backend (exact float32 math, runs on CPU tensors too).
     float32_priority = (_B.TORCH_SDPA, _B.TRITON_ATTN)
@@ -139,7 +141,7 @@ class CudaPlatform(Platform):
         has_sink: bool = False,
         use_sparse: bool = False,
     ) -> list[AttentionBackendEnum]:
-        """CUDA order: float32 -> SDPA first; Hopper -> the measured table; else the class table."""
+        """CUDA order: float32 -> SDPA first; Hopper -> ``hopper_priority``; else the class table."""
         if use_mla:
             return list(self.mla_priority)
         if dtype == torch.float32:

@@ -8,10 +8,12 @@ Override order (first that is set wins):
    configuration.
 
 A forced backend (1 or 2) that cannot serve the configuration is an error saying why; it
-never falls back silently. Each backend states its reasons through
-``AttentionBackend.validate_configuration``; a backend whose module fails to import (its
-library is not installed, or it is not implemented yet) counts as unavailable, with the
-import error as its reason. When no backend can serve, the error lists every candidate
+never falls back silently. A forced name that this vattn version does not implement
+(``AttentionBackendEnum.is_implemented()``) is an error that says so and lists the implemented
+backends. Each backend states its reasons through ``AttentionBackend.validate_configuration``;
+a backend whose module fails to import (its library is not installed) counts as unavailable,
+with the import error as its reason. When no backend can serve, the error lists the candidates
+in two groups: those not implemented in this version, and those that cannot serve here, each
 with its reasons.
 
 Selections are cached per configuration; the forced backend, the environment variable and
@@ -29,8 +31,8 @@ from typing import Iterator
 import torch
 
 from vattn import envs
-from vattn.backends.abstract import AttentionBackend
-from vattn.backends.registry import AttentionBackendEnum, registry_generation
+from vattn.backends.abstract import AttentionBackend, AttentionType
+from vattn.backends.registry import AttentionBackendEnum, registry_generation, valid_options, vattn_version
 from vattn.config import CACHE_DTYPES
 from vattn.platform import Platform, current_platform
 
@@ -83,10 +85,10 @@ def get_env_variable_attn_backend() -> AttentionBackendEnum | None:
 def _env_name_to_enum(name: str) -> AttentionBackendEnum:
     backend = backend_name_to_enum(name)
     if backend is None:
-        valid = ", ".join(AttentionBackendEnum.__members__)
         raise ValueError(
-            f"{STR_BACKEND_ENV_VAR}={name!r} is not an attention backend. Valid options are: "
-            f"{valid}. Set it to one of these or unset it for automatic selection."
+            f"{STR_BACKEND_ENV_VAR}={name!r} is not an attention backend. "
+            f"{valid_options(AttentionBackendEnum)}. Set it to an implemented one or unset it for "
+            "automatic selection."
         )
     return backend
 
@@ -137,6 +139,11 @@ def get_attn_backend(
     use_mla: bool = False,
     has_sink: bool = False,
     use_sparse: bool = False,
+    *,
+    attn_type: str = AttentionType.DECODER,
+    use_sliding_window: bool = False,
+    use_logits_soft_cap: bool = False,
+    use_alibi: bool = False,
 ) -> type[AttentionBackend]:
     """Select the attention backend for a configuration and import it.
 
@@ -148,6 +155,9 @@ def get_attn_backend(
         use_mla: the layer is multi-head latent attention.
         has_sink: the layer has attention-sink logits.
         use_sparse: the layer uses sparse attention.
+        attn_type, use_sliding_window, use_logits_soft_cap, use_alibi: the layer's features
+            (beyond the seed's arguments), checked against each backend's declarations
+            (``AttentionBackend.feature_reasons``).
 
     Returns:
         The backend class (a subclass of ``AttentionBackend``).
@@ -179,6 +189,7 @@ def get_attn_backend(
         bool(use_mla),
         bool(has_sink),
         bool(use_sparse),
+        features=(attn_type, bool(use_sliding_window), bool(use_logits_soft_cap), bool(use_alibi)),
         forced_backend=get_global_forced_attn_backend(),
         env_backend=envs.VATTN_ATTENTION_BACKEND,
         platform=current_platform,
@@ -186,8 +197,14 @@ def get_attn_backend(
     )
 
 
+def _not_implemented(backend: AttentionBackendEnum) -> bool:
+    """A named vattn backend whose module this version lacks (an unregistered ``CUSTOM`` is not
+    one: it is an empty slot, and ``get_class`` says it must be registered)."""
+    return bool(backend.value) and not backend.is_implemented()
+
+
 def _reasons_against(
-    backend: AttentionBackendEnum, config: tuple
+    backend: AttentionBackendEnum, config: tuple, features: tuple
 ) -> tuple[type[AttentionBackend] | None, list[str]]:
     """Import ``backend`` and ask it why it cannot serve ``config`` (empty list: it can)."""
     try:
@@ -203,14 +220,22 @@ def _reasons_against(
         reasons = list(cls.validate_configuration(*config))
     except ImportError as e:  # e.g. is_available() probing a missing library
         return None, [f"unavailable: {e}"]
+    attn_type, window, soft_cap, alibi = features
+    reasons += cls.feature_reasons(attn_type, use_sliding_window=window, use_logits_soft_cap=soft_cap,
+                                   use_alibi=alibi)
     return cls, reasons
 
 
-def _describe(config: tuple) -> str:
+def _describe(config: tuple, features: tuple) -> str:
     head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse = config
+    attn_type, window, soft_cap, alibi = features
+    extra = "".join(f", {name}=True" for name, on in (("use_sliding_window", window),
+                                                      ("use_logits_soft_cap", soft_cap), ("use_alibi", alibi)) if on)
+    if attn_type != AttentionType.DECODER:
+        extra += f", attn_type={attn_type!r}"
     return (
         f"head_size={head_size}, dtype={dtype}, kv_cache_dtype={kv_cache_dtype!r}, "
-        f"block_size={block_size}, use_mla={use_mla}, has_sink={has_sink}, use_sparse={use_sparse}"
+        f"block_size={block_size}, use_mla={use_mla}, has_sink={has_sink}, use_sparse={use_sparse}{extra}"
     )
 
 
@@ -224,6 +249,7 @@ def _cached_get_attn_backend(
     has_sink: bool,
     use_sparse: bool,
     *,
+    features: tuple[str, bool, bool, bool],
     forced_backend: AttentionBackendEnum | None,
     env_backend: str | None,
     platform: Platform,
@@ -238,11 +264,20 @@ def _cached_get_attn_backend(
         selected, source = _env_name_to_enum(env_backend), f"{STR_BACKEND_ENV_VAR}={env_backend!r}"
 
     if selected is not None:
-        cls, reasons = _reasons_against(selected, config)
+        if _not_implemented(selected):
+            implemented = [m.name for m in AttentionBackendEnum if m.is_implemented()]
+            raise ValueError(
+                f"attention backend {selected.name} (forced by {source}) is not implemented in "
+                f"{vattn_version()}. Implemented backends: {', '.join(implemented)}. Force one of "
+                f"these, register your own with vattn.register_backend(AttentionBackendEnum."
+                f"{selected.name}, 'your.module.YourBackend'), or remove the override for automatic "
+                "selection."
+            )
+        cls, reasons = _reasons_against(selected, config, features)
         if reasons or cls is None:
             raise ValueError(
                 f"attention backend {selected.name} (forced by {source}) cannot serve "
-                f"{_describe(config)}: {'; '.join(reasons)}. Force another backend or remove the "
+                f"{_describe(config, features)}: {'; '.join(reasons)}. Force another backend or remove the "
                 "override for automatic selection."
             )
         logger.info("Using attention backend %s (forced by %s).", selected.name, source)
@@ -250,16 +285,25 @@ def _cached_get_attn_backend(
 
     candidates = platform.get_attn_backend_priority(*config)
     rejected: list[str] = []
+    missing: list[str] = []
     for backend in candidates:
-        cls, reasons = _reasons_against(backend, config)
+        if _not_implemented(backend):
+            missing.append(backend.name)
+            continue
+        cls, reasons = _reasons_against(backend, config, features)
         if cls is not None and not reasons:
             logger.info("Using attention backend %s on %s.", backend.name, platform.device_type)
             return cls
         rejected.append(f"  {backend.name}: {'; '.join(reasons)}")
-    listing = "\n".join(rejected) if rejected else "  (the platform lists no candidates)"
+    groups = []
+    if rejected:
+        groups.append("Candidates that cannot serve here, and why:\n" + "\n".join(rejected))
+    if missing:
+        groups.append(f"Candidates not implemented in {vattn_version()}: {', '.join(missing)}")
+    listing = "\n".join(groups) or "(the platform lists no candidates)"
     raise ValueError(
-        f"no attention backend on {platform.device_type} can serve {_describe(config)}.\n"
-        f"Candidates and why they were rejected:\n{listing}\n"
+        f"no attention backend on {platform.device_type} can serve {_describe(config, features)}.\n"
+        f"{listing}\n"
         f"Change the configuration, install a backend's library, or register a backend with "
         f"vattn.register_backend(AttentionBackendEnum.CUSTOM) and force it with "
         f"{STR_BACKEND_ENV_VAR}=CUSTOM."

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from vattn.backends.checks import check_common_metadata, configuration_reasons
+from vattn.backends.checks import check_common_metadata, configuration_reasons, feature_reasons
 from vattn.backends.decode_split import reorder_batch_to_split_decodes_and_prefills
 
 if TYPE_CHECKING:
@@ -242,6 +242,12 @@ class AttentionBackend(ABC):
         """Every reason this backend cannot serve the configuration (empty: it can); the
         declarations above are checked by ``vattn.backends.checks.configuration_reasons``."""
         return configuration_reasons(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse)
+
+    @classmethod
+    def feature_reasons(cls, attn_type: str = AttentionType.DECODER, *, use_sliding_window: bool = False,
+                        use_logits_soft_cap: bool = False, use_alibi: bool = False) -> list[str]:
+        """Every layer feature (attention type, window, soft cap, ALiBi) it declares not to serve."""
+        return feature_reasons(cls, attn_type, use_sliding_window, use_logits_soft_cap, use_alibi)
 
     @classmethod
     def get_cudagraph_support(cls) -> AttentionCGSupport:

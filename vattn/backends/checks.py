@@ -13,7 +13,7 @@ import torch
 if TYPE_CHECKING:
     from vattn.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
-__all__ = ["check_common_metadata", "configuration_reasons", "fail"]
+__all__ = ["check_common_metadata", "configuration_reasons", "fail", "feature_reasons"]
 
 
 def fail(name: str, expected: str, got: object, fix: str) -> NoReturn:
@@ -85,4 +85,19 @@ def configuration_reasons(cls: "type[AttentionBackend]", head_size: int, dtype: 
         reasons.append("attention sinks not supported")
     if use_sparse and not cls.supports_sparse:
         reasons.append("sparse attention not supported")
+    return reasons
+
+
+def feature_reasons(cls: "type[AttentionBackend]", attn_type: str, use_sliding_window: bool,
+                    use_logits_soft_cap: bool, use_alibi: bool) -> list[str]:
+    """Every layer feature backend ``cls`` declares it does not serve (the default
+    ``AttentionBackend.feature_reasons``)."""
+    reasons = []
+    if attn_type not in cls.supported_attn_types:
+        reasons.append(f"attn_type {attn_type!r} not in {list(cls.supported_attn_types)}")
+    for wanted, served, what in ((use_sliding_window, cls.supports_sliding_window, "sliding window"),
+                                 (use_logits_soft_cap, cls.supports_logits_soft_cap, "logits soft cap"),
+                                 (use_alibi, cls.supports_alibi, "ALiBi")):
+        if wanted and not served:
+            reasons.append(f"{what} not supported")
     return reasons

@@ -12,16 +12,21 @@ nothing is imported until ``get_class()`` is called, so optional kernel librarie
 True
 >>> AttentionBackendEnum.CUSTOM.clear_override()  # doctest: +SKIP
 
-Members whose module vattn does not ship yet (the MLA backends, FLEX_ATTENTION, ...) point
-at the path they will have; ``get_class()`` on them raises an ``ImportError`` that says so.
+Members whose module this vattn installation does not ship (the MLA backends, FLEX_ATTENTION,
+...) point at the path they will have. ``is_implemented()`` tells them apart without importing
+anything; ``get_class()`` on them raises an ``ImportError`` saying the backend is not implemented
+in this version, distinct from the ``ImportError`` of a backend whose library is not installed.
 """
 
 from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import logging
 from typing import TYPE_CHECKING, Callable, TypeVar
+
+from vattn._version import __version__
 
 if TYPE_CHECKING:
     from vattn.backends.abstract import AttentionBackend
@@ -31,6 +36,8 @@ __all__ = [
     "MambaAttentionBackendEnum",
     "MAMBA_TYPE_TO_BACKEND_MAP",
     "register_backend",
+    "valid_options",
+    "vattn_version",
 ]
 
 logger = logging.getLogger("vattn.backends.registry")
@@ -76,17 +83,44 @@ def registry_generation() -> int:
     return _OVERRIDES.generation
 
 
+def vattn_version() -> str:
+    """``"vattn 0.1.0"``: this vattn's version, for messages."""
+    return f"vattn {__version__}"
+
+
+def _module_exists(module_name: str) -> bool:
+    """Whether ``module_name`` can be found, without importing it (parent packages are imported)."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a missing parent package, or a broken __spec__
+        return False
+
+
 class _AttentionBackendEnumMeta(enum.EnumMeta):
-    """Enum metaclass whose ``Enum[name]`` error lists the valid names."""
+    """Enum metaclass whose ``Enum[name]`` error lists the valid names, implemented ones first."""
 
     def __getitem__(cls, name: str):  # type: ignore[override]
         try:
             return super().__getitem__(name)
         except KeyError:
-            valid = ", ".join(cls.__members__)
-            raise ValueError(
-                f"Unknown attention backend: {name!r}. Valid options are: {valid}"
-            ) from None
+            raise ValueError(f"Unknown attention backend: {name!r}. {valid_options(cls)}") from None
+
+
+def valid_options(enum_cls: type) -> str:
+    """``"Valid options are: A, B, CUSTOM (register a backend first); named but not implemented
+    in vattn X: C, D"``: the members of ``enum_cls`` by whether they can be used."""
+    usable, missing = [], []
+    for member in enum_cls:  # type: ignore[attr-defined]
+        if member.is_implemented():
+            usable.append(member.name)
+        elif not member.value:
+            usable.append(f"{member.name} (register a backend first)")
+        else:
+            missing.append(member.name)
+    text = f"Valid options are: {', '.join(usable)}"
+    if missing:
+        text += f"; named but not implemented in {vattn_version()}: {', '.join(missing)}"
+    return text
 
 
 def _import_class(member: enum.Enum, path: str) -> type:
@@ -104,9 +138,8 @@ def _import_class(member: enum.Enum, path: str) -> type:
         # Is the backend's own module (or a parent package) missing, or one of its dependencies?
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise ImportError(
-                f"attention backend {label}: module {module_name!r} does not exist "
-                f"(the backend is not implemented in this vattn version, or the override path "
-                f"{path!r} is wrong). Choose another backend or register one with "
+                f"attention backend {label}: module {module_name!r} of the registered class path "
+                f"{path!r} does not exist. Register the correct path with "
                 f"register_backend({label}, 'your.module.YourBackend')."
             ) from e
         raise ImportError(
@@ -157,15 +190,39 @@ class _RegistryMember:
         """Import and return the backend class, respecting overrides.
 
         Raises:
-            ImportError: the module or class does not exist, or a library it needs is missing;
-                the message names the backend and the reason.
+            ImportError: the backend is not implemented in this vattn version (see
+                ``is_implemented``), or its module or class does not exist, or a library it needs
+                is missing; the message names the backend and the reason.
             ValueError: ``CUSTOM`` used before it was registered.
         """
         path = self.get_path()
         cls = _OVERRIDES.classes.get(self)  # type: ignore[call-overload]
         if cls is not None:
             return cls
+        if not self.is_implemented():
+            label = f"{type(self).__name__}.{self.name}"
+            implemented = [m.name for m in type(self) if m.is_implemented()]  # type: ignore[attr-defined]
+            mamba = ", is_mamba=True" if isinstance(self, MambaAttentionBackendEnum) else ""
+            register = f"register_backend({label}, 'your.module.YourBackend'{mamba})"
+            advice = (f"Choose one of the implemented ones ({', '.join(implemented)}) or register your "
+                      f"own class with {register}." if implemented else f"Register your own class with {register}.")
+            raise ImportError(
+                f"{self.name} is not implemented in {vattn_version()} (its module "
+                f"{self.get_path(include_classname=False)!r} is not part of this installation). {advice}"
+            )
         return _import_class(self, path)  # type: ignore[arg-type]
+
+    def is_implemented(self) -> bool:
+        """Whether this installation can provide the backend's class: an override is registered,
+        or the default module exists (found without importing it; an unregistered ``CUSTOM``: False).
+
+        ``True`` does not mean it runs here: its library may be missing or the device unsuitable
+        (``get_class().is_available()`` says that).
+        """
+        if self in _OVERRIDES.paths:
+            return True
+        module_name = self.value.rpartition(".")[0]
+        return bool(module_name) and _module_exists(module_name)
 
     def is_overridden(self) -> bool:
         """Whether ``register_backend`` replaced this member's default class."""

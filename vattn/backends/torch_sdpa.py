@@ -45,12 +45,23 @@ _ENCODER_SELF = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Reference backend: any head size, fp16/bf16/fp32, every KV-cache dtype, sinks."""
+    """Reference backend: any head size, fp16/bf16/fp32, every KV-cache dtype and feature, CPU and CUDA."""
 
     accept_output_buffer: ClassVar[bool] = True
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
     supports_sink: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = True
+    supported_attn_types: ClassVar[tuple[str, ...]] = AttentionType.ALL
+    runs_on_cpu: ClassVar[bool] = True
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    feature_notes: ClassVar[dict[str, str]] = {
+        "sliding_window": "self-attention only (encoder_decoder cross-attention sees every encoder key)",
+        "alibi": "self-attention only (not applied to encoder_decoder cross-attention)",
+        "fp8_kv": "on CUDA, fp8 / fp8_e4m3 need compute capability 8.9+ (the Triton KV store's e4m3 type)",
+    }
 
     @staticmethod
     def get_name() -> str:
@@ -214,17 +225,23 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})."
+                f"TORCH_SDPA num_kv_heads: expected a divisor of num_heads = {num_heads}, got "
+                f"{self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads."
             )
         if attn_type not in AttentionType.ALL:
-            raise ValueError(f"attn_type must be one of {AttentionType.ALL}, got {attn_type!r}.")
+            raise ValueError(
+                f"TORCH_SDPA attn_type: expected one of {AttentionType.ALL}, got {attn_type!r}; "
+                "use a vattn.AttentionType constant."
+            )
         if kv_cache_dtype not in CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {CACHE_DTYPES}, got {kv_cache_dtype!r}."
+                f"TORCH_SDPA kv_cache_dtype: expected one of {CACHE_DTYPES}, got {kv_cache_dtype!r}; "
+                "set CacheConfig.cache_dtype to one of them."
             )
         if self.alibi_slopes is not None and self.alibi_slopes.shape != (num_heads,):
             raise ValueError(
-                f"alibi_slopes must have num_heads = {num_heads} entries, got {tuple(self.alibi_slopes.shape)}."
+                f"TORCH_SDPA alibi_slopes: expected num_heads = {num_heads} slopes, got "
+                f"{tuple(self.alibi_slopes.shape)}; give one slope per query head."
             )
         self.window = sliding_window
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}

@@ -1,14 +1,15 @@
 """Dynamo's trace on disk: ``CompilationConfig.cache_dir`` skips Dynamo on a warm start.
 
 Inductor's cache makes a second start compile no kernel again, but Dynamo still traces the
-whole model in Python, a cost that grows with depth (about 5 s for 32 layers on an H100,
-half of a warm start; ``benchmarks/bench_compile.py``). With a cache directory
+whole model in Python, a cost that grows with depth (``benchmarks/bench_compile.py`` measures
+a cold and a warm start). With a cache directory
 (``cache_dir``; by default ``$VATTN_CACHE_ROOT/compile``, off with
 ``VATTN_DISABLE_COMPILE_CACHE=1``), ``vattn.compile`` captures the model ahead of time
 (``torch._dynamo.aot_compile``, the precompile path vLLM uses), saves Dynamo's output (the
 transformed bytecode, the guards and the FX graph) in one file per model, config and input
-signature, and on the next start loads that file instead of tracing. Loading runs vattn's backend on the stored graph again (split,
-compile each distinct piece), which Inductor's cache serves.
+signature, and on the next start loads that file instead of tracing. Loading runs vattn's
+backend on the stored graph again (split, compile each distinct piece), which Inductor's
+cache serves.
 
 The file is keyed by everything that changes the trace and does not show in the guards:
 torch and vattn versions, the model class, its parameter shapes and dtypes, the attention

@@ -88,8 +88,8 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> tuple[fx.Gr
 
 def direct_op_call(gm: fx.GraphModule) -> Callable[..., Any] | None:
     """``gm`` (a lone splitting op) as a plain function calling the op's Python implementation
-    directly, or None when the op has none (``custom_ops.python_impl``). Skips, per attention
-    op and step, ``nn.Module.__call__`` and the dispatcher: about 5 us of host time on CPU."""
+    directly, or None when the op has none (``vattn.ops.library.python_impl``). Skips, per
+    attention op and step, ``nn.Module.__call__`` and the dispatcher (host time only)."""
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
     impl = python_impl(ops[0].target) if len(ops) == 1 else None
     if impl is None:

@@ -10,9 +10,8 @@ activations and, in a CUDA graph, one more node per projection. With the add lef
 element-wise, Inductor fuses it into the RMSNorm kernel that reads the sum anyway (and that
 kernel also writes the sum when the next layer needs it).
 
-Llama-3.2-1B shape, FULL graph on an H100: 30 memcpy nodes a step (42.6 us of GPU time at
-batch 64) go away; the replay takes 1.582 instead of 1.633 ms at batch 64 and 1.202 instead
-of 1.244 ms at batch 8 (``benchmarks/results/profile-unfuse-addmm-*``).
+In the Llama-3.2-1B-shaped decode step two memcpy nodes a layer go away
+(``benchmarks/results/profile-unfuse-addmm-*`` has the before/after replay times).
 
 Left as they are: an ``addmm`` with a 1-D bias (``nn.Linear(bias=True)``; ATen can hand it
 to cuBLASLt's bias epilogue, which needs no copy), one with ``alpha`` or ``beta`` other than 1,

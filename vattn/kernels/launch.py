@@ -3,8 +3,8 @@
 ``kernel[grid](*args, **kwargs)`` costs tens of microseconds of host time in Triton 3.x:
 it binds every argument, computes its specialization and a cache key, then looks the
 compiled kernel up. For a decode step that runs attention eagerly between compiled pieces
-(PIECEWISE CUDA graphs, or no graphs), that is most of the step: about 50 us a launch on
-an H100 host, three launches a layer.
+(PIECEWISE CUDA graphs, or no graphs), with two or three launches a layer, that is most of
+the step's host time.
 
 ``FastLaunch(kernel)[grid](*args, **kwargs)`` launches the same compiled kernel with the
 same arguments. The first launch of a *specialization* goes through Triton (compiling if
@@ -25,16 +25,15 @@ without launch metadata or hooks when no launch hook is registered (Triton's hoo
 are then empty; with a hook set, e.g. by a profiler, launches go through
 ``CompiledKernel[grid]`` and call it). Kernels compiled for programmatic dependent launch
 (``launch_pdl=True``) are launched with it only while a CUDA graph is being captured: eagerly
-it costs the host more than it saves on the device. Triton's check that the kernel's global values did
-not change is skipped (vattn never rebinds the globals its kernels read). Under
+it costs the host more than it saves on the device. Triton's check that the kernel's global
+values did not change is skipped (vattn never rebinds the globals its kernels read). Under
 ``TRITON_INTERPRET=1`` (CPU) the wrapper is a plain pass-through.
 
 ``record_launches`` and ``LaunchPlan`` go one step further for callers that repeat the same
 launches with other tensors (the layers of one step): the launches of one call are recorded
 and repeated with the next call's tensors, with no key and no argument binding. A plan passes
 pointers as integers: Triton's launcher then neither calls ``data_ptr`` nor asks the driver
-about each pointer (``cuPointerGetAttribute``), which is 30 - 50% of a launch's host time
-(about 20 of 45 us a layer on an H100 host, for the attention's three launches).
+about each pointer (``cuPointerGetAttribute``), a large share of a launch's host time.
 """
 
 from __future__ import annotations
@@ -140,8 +139,7 @@ class _Cached:
         elif self.direct is not None:  # the C launcher itself: no scratch to allocate
             launch, coop, pdl = self.direct
             # PDL only where it pays: in a captured graph. An eager PDL launch costs the host
-            # more than it saves on the device (a PIECEWISE batch-1 step on an H100: 1.44 -> 0.92
-            # ms of host time without it); kernels that wait (gdc_wait) run as plain launches.
+            # more than it saves on the device; kernels that wait (gdc_wait) run as plain launches.
             pdl = pdl and _capturing()
             launch(grid[0], grid[1], grid[2], stream, self.function, coop, pdl, None, None, self.packed,
                    None, None, None, *args, *self.constexprs)

@@ -27,7 +27,7 @@ import torch
 
 from vattn import envs
 from vattn.backends.abstract import AttentionBackend
-from vattn.backends.triton.impl import TritonAttentionImpl
+from vattn.backends.triton.impl import SUPPORTED_ATTN_TYPES, TritonAttentionImpl
 from vattn.backends.triton.metadata import TritonAttentionMetadata, TritonAttentionMetadataBuilder
 from vattn.backends.utils import check_kv_cache_shape_args, paged_kv_stride_order
 from vattn.config import CACHE_DTYPES
@@ -44,6 +44,17 @@ class TritonAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
     supports_sink: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = True
+    supported_attn_types: ClassVar[tuple[str, ...]] = SUPPORTED_ATTN_TYPES
+    runs_on_cpu: ClassVar[bool] = False
+    min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
+    feature_notes: ClassVar[dict[str, str]] = {
+        "runs_on_cpu": "only under TRITON_INTERPRET=1 (the Triton interpreter: slow, for tests)",
+        "sliding_window": "decoder self-attention only (encoder_decoder cross-attention sees every encoder key)",
+        "fp8_kv": "fp8 / fp8_e4m3 need compute capability 8.9+ (Triton's e4m3 type); fp8_e5m2 from 8.0",
+    }
 
     @staticmethod
     def get_name() -> str:
@@ -92,3 +103,17 @@ class TritonAttentionBackend(AttentionBackend):
             return True, ""
         return False, ("TRITON_ATTN needs a CUDA GPU, or TRITON_INTERPRET=1 to run its kernels on CPU "
                        "through the Triton interpreter (slow; for tests)")
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                               block_size: int, use_mla: bool = False, has_sink: bool = False,
+                               use_sparse: bool = False) -> list[str]:
+        """The declarations' reasons, and an e4m3 cache on a GPU older than compute capability 8.9."""
+        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                                                 has_sink, use_sparse)
+        if kv_cache_dtype in ("fp8", "fp8_e4m3") and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} needs compute capability 8.9 (Triton's "
+                               f"e4m3), this GPU has {major}.{minor}; use 'fp8_e5m2'")
+        return reasons

@@ -16,6 +16,7 @@ import torch
 
 from vattn import envs
 from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.backends.triton.config import head_pad
 from vattn.backends.triton.metadata import TritonAttentionMetadata
 from vattn.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv
@@ -23,23 +24,24 @@ from vattn.ops.kv_store import store_kv
 if TYPE_CHECKING:
     from vattn.layer import Attention
 
-__all__ = ["TritonAttentionImpl"]
+__all__ = ["SUPPORTED_ATTN_TYPES", "TritonAttentionImpl"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NO_PLAN: Any = object()  # no plan recorded yet for a signature
-_SUPPORTED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+#: The attention types the impl serves (``TritonAttentionBackend.supported_attn_types``).
+SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 
-def _ops() -> tuple[Any, Any, Any]:
-    """The kernels' launchers (imported on first use: importing them imports Triton), looked
-    up in ``sys.modules`` on every call: tests reload them for the Triton interpreter."""
+def _launcher() -> Any:
+    """The kernel launcher ``paged_attention`` (imported on first use: importing it imports
+    Triton), looked up in ``sys.modules`` on every call: tests reload it for the Triton
+    interpreter."""
     try:
-        launcher = sys.modules["vattn.backends.triton.paged_attention"]
-        return store_kv, launcher.head_pad, launcher.paged_attention
+        return sys.modules["vattn.backends.triton.paged_attention"].paged_attention
     except KeyError:
-        from vattn.backends.triton.paged_attention import head_pad, paged_attention
+        from vattn.backends.triton.paged_attention import paged_attention
 
-        return store_kv, head_pad, paged_attention
+        return paged_attention
 
 
 def _is_static_per_tensor_fp8(quant_key: Any) -> bool:
@@ -93,19 +95,28 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
-        if attn_type not in _SUPPORTED_TYPES:
+            raise ValueError(
+                f"TRITON_ATTN num_kv_heads: expected a divisor of num_heads = {num_heads}, got "
+                f"{self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads."
+            )
+        if attn_type not in SUPPORTED_ATTN_TYPES:
             raise NotImplementedError(
-                f"TRITON_ATTN serves attn_type {_SUPPORTED_TYPES}, got {attn_type!r}; use TORCH_SDPA or "
-                "FLASH_ATTN for encoder self-attention."
+                f"TRITON_ATTN attn_type: expected one of {SUPPORTED_ATTN_TYPES}, got {attn_type!r}; use "
+                "TORCH_SDPA for encoder / encoder_only self-attention."
             )
         if kv_cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {CACHE_DTYPES}, got {kv_cache_dtype!r}.")
+            raise ValueError(
+                f"TRITON_ATTN kv_cache_dtype: expected one of {CACHE_DTYPES}, got {kv_cache_dtype!r}; "
+                "set CacheConfig.cache_dtype to one of them."
+            )
         if head_size > 256:
-            raise ValueError(f"TRITON_ATTN supports head_size <= 256, got {head_size}; use TORCH_SDPA.")
+            raise ValueError(
+                f"TRITON_ATTN head_size: expected at most 256, got {head_size}; use TORCH_SDPA for larger heads."
+            )
         if self.alibi_slopes is not None and self.alibi_slopes.shape != (num_heads,):
             raise ValueError(
-                f"alibi_slopes must have num_heads = {num_heads} entries, got {tuple(self.alibi_slopes.shape)}."
+                f"TRITON_ATTN alibi_slopes: expected num_heads = {num_heads} slopes, got "
+                f"{tuple(self.alibi_slopes.shape)}; give one slope per query head."
             )
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self._fixed: tuple[Any, ...] | None = None  # (cache, scales...), K view, V view, their signature part
@@ -201,7 +212,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 key_cache: torch.Tensor, value_cache: torch.Tensor, md: TritonAttentionMetadata,
                 output: torch.Tensor, output_scale: torch.Tensor | None) -> None:
         """Store the new K/V, then attend (the validated, general path)."""
-        store_kv, head_pad, paged_attention = _ops()
+        paged_attention = _launcher()
         config = md.config
         store = self.kv_sharing_target_layer_name is None and key is not None and value is not None
         # Decode configs store the new K/V inside the attention kernel (one launch less).

@@ -1,4 +1,4 @@
-"""Triton kernels of vattn's unified paged attention (the launcher is ``triton_unified_attention``).
+"""Triton kernels of vattn's unified paged attention (the launcher is ``vattn.backends.triton.paged_attention``).
 
 One kernel serves a whole mixed batch (decodes and chunked prefills with cached context):
 

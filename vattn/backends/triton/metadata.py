@@ -10,10 +10,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
+from vattn.backends.triton.config import (
+    UnifiedAttentionConfig,
+    default_max_split_rows,
+    device_num_sms,
+    select_unified_attention_config,
+    split_scratch_numel,
+)
 from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from vattn.backends.triton.paged_attention import UnifiedAttentionConfig
     from vattn.config import VattnConfig
 
 __all__ = ["FUSED_METADATA_COPY", "TritonAttentionMetadata", "TritonAttentionMetadataBuilder"]
@@ -58,7 +64,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool
-    config: "UnifiedAttentionConfig"
+    config: UnifiedAttentionConfig
     partial_out: torch.Tensor | None = None
     partial_lse: torch.Tensor | None = None
     #: Per layer signature: the launches the step's first such layer made (``LaunchPlan``).
@@ -87,12 +93,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vattn_config, device)
-        from vattn.backends.triton.metadata_copy import copy_decode_metadata
-        from vattn.backends.triton.paged_attention import (
-            default_max_split_rows,
-            device_num_sms,
-            split_scratch_numel,
-        )
+        from vattn.backends.triton.metadata_copy import copy_decode_metadata  # imports Triton
 
         self._copy_metadata = copy_decode_metadata
         comp = vattn_config.compilation
@@ -110,7 +111,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         self.use_persistent_buffers = self.device.type == "cuda"
         self.max_graph_tokens = max([comp.max_capture_size, *comp.capture_sizes()])
         self._captured = False
-        self._configs: dict[tuple[int, int, int], "UnifiedAttentionConfig"] = {}
+        self._configs: dict[tuple[int, int, int], UnifiedAttentionConfig] = {}
         self._allocate(self.max_graph_tokens, 1)
 
     def _allocate(self, num_tokens: int, width: int) -> None:
@@ -127,13 +128,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         return (self.use_persistent_buffers and 0 < t and max(t, cm.num_reqs) <= self.max_graph_tokens
                 and cm.block_table_tensor.shape[1] <= self._block_table.shape[1])
 
-    def _config(self, num_tokens: int, num_seqs: int, max_query_len: int) -> "UnifiedAttentionConfig":
+    def _config(self, num_tokens: int, num_seqs: int, max_query_len: int) -> UnifiedAttentionConfig:
         """The launch config for these static sizes (chosen once per distinct triple)."""
         key = (num_tokens, num_seqs, max_query_len)
         config = self._configs.get(key)
         if config is None:
-            from vattn.backends.triton.paged_attention import select_unified_attention_config
-
             spec = self.kv_cache_spec
             config = self._configs[key] = select_unified_attention_config(
                 num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=self.num_q_heads,

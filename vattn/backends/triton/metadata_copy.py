@@ -4,9 +4,8 @@ Before a graph replay the TRITON_ATTN builder copies ``query_start_loc``, ``seq_
 ``slot_mapping`` and the block table into the buffers the graph reads, and fills the rows of
 padded requests: four to six small copies, each a launch with its own gap on the GPU.
 ``copy_decode_metadata`` does them in one kernel: program 0 writes the 1-D arrays, program
-``1 + r`` block-table row ``r``. On an H200 the engine's batch-1 decode step of the
-Llama-3.2-1B shape takes 0.836 instead of 0.841 ms (skipping the copies altogether, the bound:
-9 us); at batch 64 the change is within the step's noise (``profile-metadata-copy``).
+``1 + r`` block-table row ``r`` (measured with ``benchmarks/profile_step.py``,
+``benchmarks/results/profile-metadata-copy-*``).
 
 | argument | shape | dtype |
 | --- | --- | --- |

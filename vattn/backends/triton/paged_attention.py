@@ -1,9 +1,10 @@
-"""vattn's unified paged attention in Triton: the launcher and its launch configurations.
+"""vattn's unified paged attention in Triton: the launcher.
 
 ``paged_attention`` runs one mixed batch (decodes and chunked prefills with cached context)
 in one kernel launch, over a paged KV cache, following FlashAttention's varlen conventions
 (``cu_seqlens_q``, ``seqused_k``, ``block_table``, bottom-right aligned causal mask,
-``window = (left, right)``). The kernels live in ``triton_attention_kernels``.
+``window = (left, right)``). The kernels live in ``vattn.backends.triton.kernels``, the
+launch configurations in ``vattn.backends.triton.config``.
 
 CUDA graphs: the launcher never synchronizes; the grid depends only on ``q.shape[0]``,
 ``seqused_k.shape[0]`` and the ``UnifiedAttentionConfig``; scales are read on the device.
@@ -15,39 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
+from vattn.backends.triton.config import (
+    UnifiedAttentionConfig,
+    device_num_sms,
+    head_pad,
+    select_unified_attention_config,
+)
 from vattn.backends.triton.kernels import _combine_splits_kernel, _unified_attention_kernel
 from vattn.kernels.fp8 import FP8_DTYPES, fp8_round_fix
-from vattn.kernels.launch import FastLaunch, next_power_of_2, pdl_supported
+from vattn.kernels.launch import FastLaunch, pdl_supported
 
-logger = logging.getLogger("vattn.backends.triton.paged_attention")
-
-__all__ = [
-    "MAX_SPLITS",
-    "UnifiedAttentionConfig",
-    "default_max_split_rows",
-    "device_num_sms",
-    "head_pad",
-    "select_unified_attention_config",
-    "split_scratch_numel",
-    "paged_attention",
-]
-
-MAX_SPLITS = 64
-"""Most KV splits of one q block (a power of two)."""
-SPLIT_TARGET_PROGRAMS_PER_SM: float = 1
-"""Split KV until about this many programs per SM run. One: the Llama-3.2-1B decode step at
-batch 1 (8 KV heads, 32 splits instead of 64 at 2) took 0.916 against 0.934 ms at context 512
-and 0.971 against 0.981 ms at 4096 (H100, ``benchmarks/profile_step.py``): the combine reads
-half the partials, and a split still holds 16 - 128 keys."""
-SPLIT_SCRATCH_BYTES = 16 << 20
-"""Budget of the split-KV partial-output scratch (fp32), bounding ``num_splits * num_tokens``."""
+__all__ = ["paged_attention"]
 
 ATTENTION_PDL: bool = True
 """Launch the attention kernel with programmatic dependent launch (sm_90+): it finds its
@@ -57,162 +40,34 @@ as soon as that one lets it, then waits for it before reading q and the new K/V.
 COMBINE_PDL: bool = True
 """Launch the split-KV combine with programmatic dependent launch (sm_90+): it is scheduled
 while attention runs and waits (``gdc_wait``) for the partials, so its launch overlaps the
-attention kernel (batch-1 step 0.916 -> 0.912 ms, H100)."""
+attention kernel (chosen with ``benchmarks/profile_step.py``)."""
 
 COMBINE_EARLY_DEPENDENTS: bool = True
 """Let the kernel after the combine start (PDL) before the combine waits for attention, not after:
-vattn's GEMV for the output projection then loads its weights while attention still runs (it
-waits for the combine's output itself). Batch-1 FULL replay of the Llama-3.2-1B step: H200
-0.739 -> 0.731 ms at context 512, 0.751 -> 0.737 ms at 1024, 0.782 -> 0.780 ms at 4096; H100
-0.882 -> 0.871 ms at 512 (``benchmarks/results/profile-combine-early-*``)."""
+a GEMV for the output projection (``examples.gemv``) then loads its weights while attention still
+runs (it waits for the combine's output itself). Chosen with ``benchmarks/profile_step.py``
+(``benchmarks/results/profile-combine-early-*``)."""
 
 FP8_V_ASM: bool = True
-"""Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute)."""
+"""Convert fp8 value tiles with ``cvt.rn.f16x2.e4m3x2`` inline PTX (sm_89+, fp16 compute);
+``benchmarks/sweep_triton_attn.py`` switches it to compare."""
 
 FP8_KV_COMPUTE: torch.dtype | None = torch.float16
 """Matrix-operand dtype of fp8-KV attention with a 16-bit query (None: the query's dtype).
 
 fp16, not bf16: e4m3 and e5m2 values are exact in fp16 and the GPU converts a pair of them
 with one instruction (``cvt.rn.f16x2.e4m3x2``), against a detour through fp32 for bf16; the
-query is clamped to the fp16 range first, softmax weights in [0, 1] gain precision."""
+query is clamped to the fp16 range first, softmax weights in [0, 1] gain precision.
+``benchmarks/sweep_triton_attn.py`` switches it to compare."""
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _UNIFIED_ATTENTION = FastLaunch(_unified_attention_kernel)
 _COMBINE_SPLITS = FastLaunch(_combine_splits_kernel)
 
 
-@dataclass(frozen=True)
-class UnifiedAttentionConfig:
-    """Launch configuration of the unified kernel (all fields are compile-time constants).
-
-    Args:
-        block_m: rows of a query tile: ``block_m // qpk`` tokens x the ``qpk`` query heads of
-            one KV head (power of two, at least 16 for ``tl.dot``).
-        tile_n: key tokens per inner iteration (power of two, at least 16).
-        num_splits: KV splits per q block (1 = write the output directly; else a power of
-            two and a combine kernel merges the partials).
-        num_warps, num_stages: Triton launch options of the attention kernel.
-        maxnreg: register cap per thread (Triton's ``maxnreg``; None = the compiler's
-            choice), to fit more programs per SM.
-        one_loop: run every key tile through the masked path in one loop (decode) instead
-            of unmasked interior tiles plus masked edge tiles in separate loops (prefill).
-    """
-
-    block_m: int
-    tile_n: int
-    num_splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    maxnreg: int | None = None
-    one_loop: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "tile_n", "num_splits"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"UnifiedAttentionConfig.{name} must be a power of two, got {v}.")
-        if self.block_m < 16 or self.tile_n < 16:
-            raise ValueError(
-                f"UnifiedAttentionConfig needs block_m >= 16 and tile_n >= 16 (tl.dot minimum), "
-                f"got block_m={self.block_m}, tile_n={self.tile_n}."
-            )
-        if self.num_splits > MAX_SPLITS:
-            raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {self.num_splits}.")
-
-    def block_q(self, qpk: int) -> int:
-        """Query tokens per tile when ``qpk`` query heads share a KV head."""
-        return max(1, self.block_m // qpk)
-
-
-def head_pad(head_size: int) -> int:
-    """The power-of-two head dimension the kernels compute with (at least 16)."""
-    return max(16, next_power_of_2(head_size))
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_type: str, index: int | None) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
-    return 4  # the interpreter: a small pretend machine
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
-
-
-def device_num_sms(device: torch.device | str) -> int:
-    """Streaming multiprocessors of ``device`` (4 for CPU / the Triton interpreter); cached."""
-    device = torch.device(device)
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _num_sms(device.type, index)
-
-
-def default_max_split_rows(num_q_heads: int, head_size: int) -> int:
-    """Largest ``num_splits * num_tokens`` whose fp32 partials fit ``SPLIT_SCRATCH_BYTES``."""
-    return max(MAX_SPLITS, SPLIT_SCRATCH_BYTES // (num_q_heads * head_pad(head_size) * 4))
-
-
-def split_scratch_numel(max_split_rows: int, num_q_heads: int, head_size: int) -> tuple[int, int]:
-    """Elements of the (partial_out, partial_lse) fp32 scratch for ``max_split_rows`` rows."""
-    return max_split_rows * num_q_heads * head_pad(head_size), max_split_rows * num_q_heads
-
-
-def select_unified_attention_config(
-    *,
-    num_tokens: int,
-    num_seqs: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    max_seqlen_q: int,
-    num_sms: int,
-    max_split_rows: int | None = None,
-    kv_fp8: bool = False,
-) -> UnifiedAttentionConfig:
-    """Pick the launch config from static sizes only (deterministic: CUDA-graph safe).
-
-    Decode-only batches (``max_seqlen_q <= 1``) get a small M tile (one token x the query
-    heads of a KV head), every key tile in one masked, software-pipelined loop, and split
-    KV when ``num_seqs * num_kv_heads`` programs would leave SMs idle; batches with longer
-    queries get 64/128-row tiles (wgmma on Hopper) with unmasked interior tiles.
-    ``num_splits * num_tokens`` never exceeds ``max_split_rows`` (the scratch size).
-
-    Measured on an H200 (32 q / 8 KV heads, D 128, page 16; benchmarks/sweep_triton_attn.py):
-    bf16 decode is load-bound and best with 32-token tiles, 3 stages (two tiles in flight),
-    which fit 4 programs per SM; fp8 decode does twice the per-byte work (the cast) and
-    does best with 64-token tiles capped at 128 registers so 4 programs still fit an SM.
-    """
-    qpk = num_q_heads // num_kv_heads
-    hp = head_pad(head_size)
-    min_m = max(16, triton.next_power_of_2(qpk))
-    maxnreg = None
-    one_loop = False
-    if max_seqlen_q <= 1:
-        block_m = min_m
-        tile_n = 64 if kv_fp8 and hp <= 128 else 32
-        num_warps, num_stages, one_loop = 4, 3, True
-        if kv_fp8 and hp <= 128 and block_m == 16:
-            maxnreg = 128
-    else:
-        big_m = 128 if hp <= 128 else 64
-        block_m = max(min_m, min(big_m, triton.next_power_of_2(qpk * max_seqlen_q)))
-        tile_n = 64 if hp <= 128 else 32
-        num_warps = 8 if block_m >= 128 or hp > 128 else 4  # D 256 at 4 warps spills
-        num_stages = 3
-    block_q = max(1, block_m // qpk)
-    programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
-    target = max(1, int(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms))
-    num_splits = 1
-    if 0 < programs < target:
-        num_splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
-        rows = max_split_rows if max_split_rows is not None else default_max_split_rows(
-            num_q_heads, head_size)
-        while num_splits > 1 and num_splits * num_tokens > rows:
-            num_splits //= 2
-    return UnifiedAttentionConfig(block_m, tile_n, num_splits, num_warps, num_stages, maxnreg, one_loop)
 
 
 def _as_scale(x: torch.Tensor | float | None, name: str, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""FLASHINFER's impl: store the step's new K/V, then ``run`` the wrappers the builder planned.
+
+Decoder self-attention only, without ALiBi or sinks: the constructor refuses those (FlashInfer's
+paged wrappers plan neither; its Hopper kernels ignore ``sinks``). Sliding window, soft cap and
+scale are planned once per KV-cache group, so every layer of a group must share them (the builder
+checks). fp8 KV caches attend with the layer's host scales (``_k_scale_float``, ``_v_scale_float``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.backends.flashinfer.metadata import FlashInferMetadata
+from vattn.ops.kv_store import fp8_dtype_for, store_kv
+
+if TYPE_CHECKING:
+    from vattn.layer import Attention
+
+__all__ = ["SUPPORTED_ATTN_TYPES", "FlashInferImpl"]
+
+#: The attention types the impl serves (``FlashInferBackend.supported_attn_types``).
+SUPPORTED_ATTN_TYPES = (AttentionType.DECODER,)
+
+
+class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
+    """Stores new K/V, then runs the planned decode and prefill wrappers into ``output``."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        if alibi_slopes is not None:
+            raise NotImplementedError(
+                f"FLASHINFER alibi_slopes: expected None (FlashInfer's paged wrappers have no ALiBi), got "
+                f"{len(alibi_slopes)} slopes; use TRITON_ATTN, TORCH_SDPA or FLASH_ATTN (FA2) for ALiBi layers."
+            )
+        if sinks is not None:
+            raise NotImplementedError(
+                f"FLASHINFER sinks: expected None (no attention sinks), got a tensor of shape "
+                f"{tuple(sinks.shape)}; use TRITON_ATTN, TORCH_SDPA or FLASH_ATTN (flash-attn-4) for sinks."
+            )
+        if attn_type not in SUPPORTED_ATTN_TYPES:
+            also = " or TRITON_ATTN" if attn_type == AttentionType.ENCODER_DECODER else ""
+            raise NotImplementedError(
+                f"FLASHINFER attn_type: expected one of {SUPPORTED_ATTN_TYPES} (decoder self-attention over "
+                f"the paged cache), got {attn_type!r}; use TORCH_SDPA{also} for {attn_type} attention."
+            )
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+            logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
+        )
+        self._fp8_dtype = fp8_dtype_for(kv_cache_dtype)
+
+    def forward(
+        self,
+        layer: "Attention",
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashInferMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query (T, H, D), key/value (T, Hk, D), kv_cache (num_blocks, 2, block_size, Hk, D) -> output (T, H, D)."""
+        if output is None:
+            raise ValueError("FLASHINFER writes into a caller-allocated output (T, H, D); pass output=.")
+        if output_scale is not None:
+            raise NotImplementedError("FLASHINFER does not write quantized output; leave output_scale=None.")
+        md = attn_metadata
+        if md is None:
+            return output
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            store_kv(key, value, kv_cache[:, 0], kv_cache[:, 1], md.slot_mapping, self.kv_cache_dtype,
+                     layer._k_scale, layer._v_scale)
+        if self._fp8_dtype is not None:
+            if kv_cache.dtype != self._fp8_dtype:
+                kv_cache = kv_cache.view(self._fp8_dtype)
+            k_scale, v_scale = layer._k_scale_float, layer._v_scale_float
+        else:
+            k_scale = v_scale = None
+        paged = kv_cache.permute(0, 1, 3, 2, 4) if md.kv_layout == "HND" else kv_cache
+        if md.decode_wrapper is not None:
+            n = md.decode_rows
+            md.decode_wrapper.run(query[:n], paged, k_scale=k_scale, v_scale=v_scale, out=output[:n])
+        if md.prefill_wrapper is not None:
+            s, e = md.prefill_start, md.prefill_start + md.prefill_rows
+            md.prefill_wrapper.run(query[s:e], paged, k_scale=k_scale, v_scale=v_scale, out=output[s:e])
+        return output

@@ -1,0 +1,198 @@
+"""The CUDA-graph dispatch policy: pure functions of sizes, modes and metadata (CPU-testable).
+
+``resolve_capture_sizes`` and ``bucket_size`` say which token counts are captured and which
+capture a batch pads to; ``resolve_cudagraph_mode`` downgrades a requested mode to what the
+device, the backends' builders and the model can serve; ``choose_runtime_mode`` picks FULL,
+PIECEWISE or NONE for one step; ``pad_common_attn_metadata`` pads a batch to a captured size.
+``vattn.CUDAGraphRunner`` (``runner.py``) applies them; nothing here touches a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from vattn.backends.abstract import AttentionCGSupport
+from vattn.backends.utils import CommonAttentionMetadata
+from vattn.config import CUDAGraphMode, VattnConfig, _default_capture_sizes
+
+__all__ = [
+    "FULL_MODES",
+    "BatchDescriptor",
+    "bucket_size",
+    "choose_runtime_mode",
+    "is_uniform_decode",
+    "pad_common_attn_metadata",
+    "resolve_capture_sizes",
+    "resolve_cudagraph_mode",
+]
+
+M = CUDAGraphMode
+#: Runner modes that capture full graphs (for some batches at least).
+FULL_MODES = (M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchDescriptor:
+    """What the dispatcher decided for one step (set as the forward context's ``batch_descriptor``).
+
+    ``mode`` is the runtime mode (NONE, PIECEWISE or FULL); ``num_tokens``/``num_reqs`` the
+    padded sizes the step runs at.
+    """
+
+    mode: CUDAGraphMode
+    num_tokens: int
+    num_reqs: int
+    uniform_decode: bool
+
+
+def resolve_capture_sizes(
+    config: VattnConfig, max_batch_size: int | None = None, capture_sizes: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Ascending capture sizes: explicit ``capture_sizes``, else 1, 2, 4, 8, 16, ... up to
+    ``max_batch_size`` (which is added when not a multiple of 8), else the config's."""
+    if capture_sizes is not None:
+        sizes = sorted({int(s) for s in capture_sizes})
+        if not sizes or sizes[0] <= 0:
+            raise ValueError(f"capture_sizes must be positive ints, got {list(capture_sizes)}.")
+        if max_batch_size is not None:
+            sizes = [s for s in sizes if s <= max_batch_size]
+        return tuple(sizes)
+    if max_batch_size is None:
+        return config.compilation.capture_sizes()
+    if max_batch_size <= 0:
+        raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}.")
+    return tuple(sorted({*_default_capture_sizes(max_batch_size), max_batch_size}))
+
+
+def bucket_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
+    """The smallest capture size >= ``num_tokens`` (``sizes`` ascending), or None."""
+    i = bisect.bisect_left(sizes, num_tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
+def resolve_cudagraph_mode(
+    requested: CUDAGraphMode,
+    *,
+    on_cuda: bool,
+    support: AttentionCGSupport,
+    backends: str = "the attention backend",
+    has_piecewise: bool,
+) -> tuple[CUDAGraphMode, list[str]]:
+    """The mode the runner can actually serve, and why it differs from ``requested``.
+
+    Args:
+        support: the lowest ``cudagraph_support`` over the KV-cache groups' builders.
+        backends: names for the messages.
+        has_piecewise: the model is a ``vattn.compile``d model (it has pieces).
+    """
+    mode, why = requested, []
+    if mode is M.NONE:
+        return mode, why
+    if not on_cuda:
+        return M.NONE, ["CUDA graphs need a CUDA device; running eagerly."]
+    if mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE) and not has_piecewise:
+        new = M.NONE if mode is M.PIECEWISE else M.FULL_DECODE_ONLY
+        why.append(f"{mode.name} needs a model compiled with vattn.compile (it has no pieces); using {new.name}.")
+        mode = new
+    if mode in FULL_MODES and support == AttentionCGSupport.NEVER:
+        new = {M.FULL_DECODE_ONLY: M.NONE, M.FULL_AND_PIECEWISE: M.PIECEWISE}.get(
+            mode, M.PIECEWISE if has_piecewise else M.NONE
+        )
+        why.append(f"{backends} declares cudagraph_support NEVER, so no full graphs; using {new.name}.")
+        mode = new
+    elif mode is M.FULL and support < AttentionCGSupport.ALWAYS:
+        new = M.FULL_AND_PIECEWISE if has_piecewise else M.FULL_DECODE_ONLY
+        why.append(
+            f"{backends} declares cudagraph_support {support.name}: full graphs only for uniform "
+            f"decode batches; using {new.name}."
+        )
+        mode = new
+    return mode, why
+
+
+def choose_runtime_mode(
+    mode: CUDAGraphMode, *, captured: bool, uniform_decode: bool, full_ok: bool
+) -> CUDAGraphMode:
+    """The dispatcher: FULL, then PIECEWISE, then NONE for one step.
+
+    Args:
+        mode: the resolved runner mode.
+        captured: the batch fits a capture size.
+        uniform_decode: every request has exactly one new token.
+        full_ok: the builders allow the (padded) batch in a full graph.
+    """
+    if mode is M.NONE or not captured:
+        return M.NONE
+    if mode in FULL_MODES and full_ok and (uniform_decode or mode is M.FULL):
+        return M.FULL
+    if mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE):
+        return M.PIECEWISE
+    return M.NONE
+
+
+def pad_common_attn_metadata(
+    common: CommonAttentionMetadata, num_tokens_padded: int, num_reqs_padded: int | None = None
+) -> CommonAttentionMetadata:
+    """``common`` padded to ``num_tokens_padded`` tokens and ``num_reqs_padded`` requests.
+
+    Padded tokens get slot -1 (never written). Padded requests take one padded token each
+    while any remain (query length 1, sequence length 1, block table row of zeros = block 0,
+    which ``allocate_kv_cache`` zero-fills), then query length 0 / sequence length 0. Device
+    tensors are built with device ops (no host sync).
+    """
+    t, b = common.num_actual_tokens, common.num_reqs
+    bp = b if num_reqs_padded is None else num_reqs_padded
+    if num_tokens_padded < t or bp < b:
+        raise ValueError(
+            f"pad_common_attn_metadata: num_tokens_padded={num_tokens_padded} / num_reqs_padded={bp} "
+            f"must be at least the batch's {t} tokens / {b} requests."
+        )
+    if common.num_slot_tokens not in (None, t):
+        raise ValueError(
+            f"pad_common_attn_metadata: this batch writes {common.num_slot_tokens} K/V slots for {t} query "
+            "tokens (cross-attention); CUDA graphs pad self-attention batches only, so run it eagerly."
+        )
+    extra, spare = bp - b, num_tokens_padded - t
+    if not extra and not spare and _exactly_sized(common):
+        return common  # nothing to pad (a batch of a captured size): no host work
+    dev = common.query_start_loc.device
+    pad_q_cpu = (torch.arange(extra) < spare).to(torch.int32)
+    pad_q = (torch.arange(extra, device=dev) < spare).to(torch.int32)
+    qsl = common.query_start_loc[: b + 1]
+    qsl_cpu = common.query_start_loc_cpu[: b + 1]
+    bt = common.block_table_tensor[:b]
+    slots = common.slot_mapping[:t]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.cat([qsl, qsl[b:] + pad_q.cumsum(0).to(qsl.dtype)]),
+        query_start_loc_cpu=torch.cat([qsl_cpu, qsl_cpu[b:] + pad_q_cpu.cumsum(0).to(qsl_cpu.dtype)]),
+        seq_lens=torch.cat([common.seq_lens[:b], pad_q.to(common.seq_lens.dtype)]),
+        seq_lens_cpu=torch.cat([common.seq_lens_cpu[:b], pad_q_cpu.to(common.seq_lens_cpu.dtype)]),
+        num_computed_tokens_cpu=torch.cat(
+            [common.num_computed_tokens_cpu[:b], torch.zeros(extra, dtype=common.num_computed_tokens_cpu.dtype)]
+        ),
+        num_reqs=bp,
+        num_actual_tokens=t,
+        max_query_len=common.max_query_len,
+        block_table_tensor=torch.cat([bt, bt.new_zeros((extra, bt.shape[1]))]),
+        slot_mapping=torch.cat([slots, slots.new_full((num_tokens_padded - t,), -1)]),
+        max_seq_len=max(common.max_seq_len, 1 if extra and spare else 0),
+        causal=common.causal,
+    )
+
+
+def _exactly_sized(common: CommonAttentionMetadata) -> bool:
+    """Every per-request / per-token tensor of ``common`` has exactly the batch's length."""
+    b, t = common.num_reqs, common.num_actual_tokens
+    return (common.query_start_loc.shape[0] == common.query_start_loc_cpu.shape[0] == b + 1
+            and common.seq_lens.shape[0] == common.seq_lens_cpu.shape[0] == b
+            and common.num_computed_tokens_cpu.shape[0] == b
+            and common.block_table_tensor.shape[0] == b and common.slot_mapping.shape[0] == t)
+
+
+def is_uniform_decode(common: CommonAttentionMetadata) -> bool:
+    """Every request of ``common`` has exactly one new token."""
+    return common.num_reqs > 0 and common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs

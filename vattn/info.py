@@ -1,0 +1,386 @@
+"""What this vattn installation can run, for a user choosing a backend (``python -m vattn``).
+
+``collect()`` gathers the facts as a JSON-ready dict: versions, the device, every registry
+backend's status (available here and what it serves, unavailable here and why, or not
+implemented in this version), the backend the selector picks for a default layer, and the
+``vattn.envs`` variables. ``render_text`` prints them for a person. ``support_matrix_markdown()``
+renders what the implemented backends *declare* (never what is installed here) as the
+Markdown support table of README.md.
+
+Versions come from package metadata, so no kernel library is imported to print one; a
+backend's ``is_available`` may import its library, and any error it raises becomes that
+backend's reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from typing import Any, Callable
+
+import torch
+
+from vattn import __version__, envs
+from vattn.backends.abstract import AttentionBackend, AttentionCGSupport, AttentionType
+from vattn.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum, vattn_version
+from vattn.platform import current_platform
+from vattn.selector import STR_BACKEND_ENV_VAR, get_attn_backend, get_global_forced_attn_backend
+
+__all__ = ["collect", "render_text", "support_matrix_markdown"]
+
+AVAILABLE, UNAVAILABLE, NOT_IMPLEMENTED = "available", "unavailable", "not_implemented"
+
+#: Report label -> the distributions (package metadata names) that provide it (torch is
+#: already imported: its ``__version__`` is shown, which keeps the local tag, e.g. ``+cu130``).
+PACKAGES: dict[str, tuple[str, ...]] = {
+    "triton": ("triton",),
+    "flashinfer": ("flashinfer-python",),
+    "flash-attn": ("flash-attn-4", "flash-attn-3", "flash-attn"),
+}
+
+#: The default layer the report asks the selector about (dtype: bfloat16 on CUDA, else float32).
+DEFAULT_LAYER = {"head_size": 128, "kv_cache_dtype": "auto", "block_size": 16}
+
+_SHORT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_ENCODER_TYPES = {
+    AttentionType.ENCODER: "encoder",
+    AttentionType.ENCODER_ONLY: "encoder-only",
+    AttentionType.ENCODER_DECODER: "cross",
+}
+_CG_WORDS = {
+    AttentionCGSupport.ALWAYS: "always",
+    AttentionCGSupport.UNIFORM_BATCH: "uniform batches",
+    AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE: "single-token decodes",
+    AttentionCGSupport.NEVER: "piecewise only",
+}
+_GENERATIONS = {(7, 0): "Volta", (7, 5): "Turing", (8, 0): "Ampere", (8, 6): "Ampere", (8, 9): "Ada",
+                (9, 0): "Hopper", (10, 0): "Blackwell", (12, 0): "Blackwell"}
+
+
+# ---- facts --------------------------------------------------------------------------------
+
+
+def package_versions() -> dict[str, str | None]:
+    """Label -> version (``None``: not installed). Several providers: ``"4.0 (flash-attn-4)"``."""
+    out: dict[str, str | None] = {"python": sys.version.split()[0], "vattn": __version__,
+                                  "torch": torch.__version__}
+    for label, dists in PACKAGES.items():
+        found = []
+        for dist in dists:
+            try:
+                version = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            found.append(version if len(dists) == 1 else f"{version} ({dist})")
+        out[label] = "; ".join(found) or None
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    """The platform vattn runs on, torch's CUDA version, and each visible GPU."""
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": props.name, "compute_capability": f"{props.major}.{props.minor}"})
+    return {"platform": current_platform.device_type, "torch_cuda": torch.version.cuda, "gpus": gpus}
+
+
+def declared_support(cls: type[AttentionBackend]) -> dict[str, Any]:
+    """What backend ``cls`` declares it serves (its class attributes; nothing is probed)."""
+    head_sizes, block_sizes = cls.get_supported_head_sizes(), cls.get_supported_block_sizes()
+    need = cls.min_compute_capability
+    return {
+        "dtypes": [str(d).removeprefix("torch.") for d in cls.supported_dtypes],
+        "head_sizes": None if head_sizes is None else list(head_sizes),
+        "block_sizes": None if block_sizes is None else list(block_sizes),
+        "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
+        "sliding_window": cls.supports_sliding_window,
+        "logits_soft_cap": cls.supports_logits_soft_cap,
+        "alibi": cls.supports_alibi,
+        "sinks": cls.supports_sink,
+        "mla": cls.supports_mla,
+        "sparse": cls.supports_sparse,
+        "attn_types": list(cls.supported_attn_types),
+        "runs_on_cpu": cls.runs_on_cpu,
+        "min_compute_capability": None if need is None else ".".join(map(str, need)),
+        "cuda_graphs": AttentionCGSupport(cls.get_builder_cls().cudagraph_support).name,
+        "notes": dict(cls.feature_notes),
+    }
+
+
+def availability(cls: type[AttentionBackend]) -> tuple[bool, str]:
+    """``(ok, reason)``: ``is_available()``, then the declared oldest GPU generation."""
+    try:
+        ok, why = cls.is_available()
+    except Exception as e:  # a library that is installed but fails to import or initialise
+        return False, f"probing it raised {type(e).__name__}: {e}"
+    if not ok:
+        return False, why or "is_available() says no"
+    need = cls.min_compute_capability
+    if need is not None and torch.cuda.is_available():
+        cap = tuple(torch.cuda.get_device_capability())
+        if cap < tuple(need):
+            return False, f"GPU too old: compute capability {cap[0]}.{cap[1]} < {need[0]}.{need[1]}"
+    return True, ""
+
+
+def backend_entry(member: AttentionBackendEnum) -> dict[str, Any]:
+    """One registry member: its status, reason, class path and (if it imports) what it serves."""
+    entry: dict[str, Any] = {"name": member.name, "status": NOT_IMPLEMENTED, "reason": "", "class": None,
+                             "serves": None}
+    if not member.is_implemented():
+        entry["reason"] = (f"not implemented in {vattn_version()}" if member.value else
+                           "a slot for your own backend: vattn.register_backend(AttentionBackendEnum."
+                           f"{member.name}, 'your.module.YourBackend')")
+        return entry
+    entry["status"] = UNAVAILABLE
+    try:
+        cls = member.get_class()
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise TypeError(f"{cls!r} is not a vattn AttentionBackend subclass")
+        entry["class"] = f"{cls.__module__}.{cls.__qualname__}"
+        entry["serves"] = declared_support(cls)
+    except Exception as e:
+        entry["reason"] = f"{type(e).__name__}: {e}"
+        return entry
+    ok, entry["reason"] = availability(cls)
+    if ok:
+        entry["status"] = AVAILABLE
+        try:  # the level on this machine (FLASH_ATTN's depends on the installed interface)
+            entry["serves"]["cuda_graphs"] = AttentionCGSupport(cls.get_cudagraph_support()).name
+        except Exception:
+            pass
+    return entry
+
+
+def backends() -> list[dict[str, Any]]:
+    """Every ``AttentionBackendEnum`` member: available ones first, then unavailable, then not implemented."""
+    entries = [backend_entry(m) for m in AttentionBackendEnum]
+    order = {AVAILABLE: 0, UNAVAILABLE: 1, NOT_IMPLEMENTED: 2}
+    return sorted(entries, key=lambda e: order[e["status"]])  # stable: registry order within a status
+
+
+def default_selection() -> dict[str, Any]:
+    """The backend ``get_attn_backend`` picks for ``DEFAULT_LAYER`` here, or its error."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    args = (DEFAULT_LAYER["head_size"], dtype, DEFAULT_LAYER["kv_cache_dtype"], DEFAULT_LAYER["block_size"])
+    forced = get_global_forced_attn_backend()
+    out: dict[str, Any] = {
+        "config": {"head_size": DEFAULT_LAYER["head_size"], "dtype": str(dtype),
+                   "kv_cache_dtype": DEFAULT_LAYER["kv_cache_dtype"], "block_size": DEFAULT_LAYER["block_size"]},
+        "priority": [b.name for b in current_platform.get_attn_backend_priority(*args)],
+        "forced_by": ("global_force_attn_backend" if forced is not None else
+                      STR_BACKEND_ENV_VAR if envs.VATTN_ATTENTION_BACKEND is not None else None),
+        "selected": None,
+        "error": None,
+    }
+    try:
+        out["selected"] = get_attn_backend(*args).get_name()
+    except Exception as e:  # ValueError with the selector's reasons, or a broken backend
+        out["error"] = str(e)
+    return out
+
+
+def environment() -> list[dict[str, Any]]:
+    """Every variable of ``vattn.envs``: whether it is set, its raw text, and the value in effect.
+
+    """
+    rows = []
+    for name, read in envs.environment_variables.items():
+        try:
+            value = read()
+        except Exception as e:  # e.g. a non-integer in an integer variable
+            value = f"invalid ({type(e).__name__}: {e})"
+        rows.append({"name": name, "set": envs.is_set(name), "raw": envs.raw(name), "value": value})
+    return rows
+
+
+def collect() -> dict[str, Any]:
+    """Every section of the report; a section that fails records its error instead of raising."""
+    sections: dict[str, Callable[[], Any]] = {
+        "versions": package_versions,
+        "device": device_info,
+        "backends": backends,
+        "mamba_backends": lambda: [
+            {"name": m.name, "status": "implemented" if m.is_implemented() else NOT_IMPLEMENTED}
+            for m in MambaAttentionBackendEnum
+        ],
+        "default_selection": default_selection,
+        "environment": environment,
+    }
+    report: dict[str, Any] = {"vattn": __version__}
+    for key, build in sections.items():
+        try:
+            report[key] = build()
+        except Exception as e:
+            report[key] = {"error": f"{type(e).__name__}: {e}"}
+    return report
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+
+def format_sizes(sizes: list[int] | tuple[int, ...] | None) -> str:
+    """``None`` -> ``"any"``; ``8, 16, ..., 256`` -> ``"8-256 (multiples of 8)"``; else the list."""
+    if sizes is None:
+        return "any"
+    s = sorted(sizes)
+    if len(s) >= 4 and s[0] == s[1] - s[0] and all(b - a == s[0] for a, b in zip(s, s[1:])):
+        return f"{s[0]}-{s[-1]} (multiples of {s[0]})"
+    if len(s) >= 4 and s[0] > 0 and all(b == 2 * a for a, b in zip(s, s[1:])):
+        return f"{s[0]}-{s[-1]} (powers of 2)"
+    return ", ".join(map(str, s))
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _serves_lines(s: dict[str, Any]) -> list[str]:
+    cap = s["min_compute_capability"]
+    if cap is None:
+        gpus = "any"
+    else:
+        generation = _GENERATIONS.get(tuple(int(x) for x in cap.split(".")))
+        gpus = f"compute capability {cap}+" + (f" ({generation} or newer)" if generation else "")
+    lines = [
+        f"dtypes: {', '.join(s['dtypes'])}; head sizes: {format_sizes(s['head_sizes'])}; "
+        f"block sizes: {format_sizes(s['block_sizes'])}",
+        f"KV-cache dtypes: {', '.join(s['kv_cache_dtypes'])}",
+        f"sliding window: {_yes(s['sliding_window'])}; soft cap: {_yes(s['logits_soft_cap'])}; "
+        f"ALiBi: {_yes(s['alibi'])}; sinks: {_yes(s['sinks'])}; MLA: {_yes(s['mla'])}",
+        f"attention types: {', '.join(s['attn_types'])}",
+        f"CUDA graphs: {s['cuda_graphs']} ({_CG_WORDS[AttentionCGSupport[s['cuda_graphs']]]}); GPUs: {gpus}; "
+        f"CPU: {_yes(s['runs_on_cpu'])}",
+    ]
+    lines += [f"note ({key}): {note}" for key, note in s["notes"].items()]
+    return lines
+
+
+def _section_error(value: Any) -> str | None:
+    return value["error"] if isinstance(value, dict) and set(value) == {"error"} else None
+
+
+def render_text(report: dict[str, Any]) -> str:
+    """The report of ``collect()`` as the text ``python -m vattn`` prints."""
+    out = [f"vattn {report['vattn']}: what this installation can run", "", "Versions"]
+    versions = report["versions"]
+    if _section_error(versions) is None:
+        out += [f"  {k:<11} {v or 'not installed'}" for k, v in versions.items()]
+    dev = report["device"]
+    out += ["", "Device"]
+    if _section_error(dev) is None:
+        out.append(f"  torch CUDA runtime: {dev['torch_cuda'] or 'none (a CPU build of torch)'}")
+        out += [f"  GPU {g['index']}: {g['name']}, compute capability {g['compute_capability']}" for g in dev["gpus"]]
+        if not dev["gpus"]:
+            out.append("  CPU only: no CUDA GPU visible")
+    out += ["", "Backends (AttentionBackendEnum)"]
+    if _section_error(report["backends"]) is None:
+        width = max(len(e["name"]) for e in report["backends"]) + 2
+        for e in report["backends"]:
+            name = f"  {e['name']:<{width}}"
+            if e["status"] == AVAILABLE:
+                out.append(f"{name}available ({e['class']})")
+                out += [" " * (width + 4) + line for line in _serves_lines(e["serves"])]
+            elif e["status"] == UNAVAILABLE:
+                out.append(f"{name}unavailable here: {e['reason']}")
+            elif e["reason"].startswith("not implemented"):
+                out.append(name + e["reason"])
+            else:
+                out.append(f"{name}not implemented ({e['reason']})")
+        out.append("  (what every implemented backend declares: python -m vattn --support-matrix)")
+    mamba = report["mamba_backends"]
+    if _section_error(mamba) is None:
+        done = [m["name"] for m in mamba if m["status"] != NOT_IMPLEMENTED]
+        missing = [m["name"] for m in mamba if m["status"] == NOT_IMPLEMENTED and m["name"] != "CUSTOM"]
+        out += ["", "Mamba backends (MambaAttentionBackendEnum)",
+                f"  implemented: {', '.join(done) or 'none'}",
+                f"  not implemented in {vattn_version()}: {', '.join(missing) or 'none'}"]
+    sel = report["default_selection"]
+    out += ["", "Selection for a default layer"]
+    if _section_error(sel) is None:
+        cfg = sel["config"]
+        out.append(f"  head_size={cfg['head_size']}, dtype={cfg['dtype']}, "
+                   f"kv_cache_dtype={cfg['kv_cache_dtype']!r}, block_size={cfg['block_size']}")
+        out.append(f"  priority on {report['device'].get('platform', '?')}: {', '.join(sel['priority']) or '(none)'}")
+        if sel["forced_by"]:
+            out.append(f"  forced by {sel['forced_by']}")
+        if sel["selected"]:
+            out.append(f"  selected: {sel['selected']}")
+        else:
+            out.append("  no backend: " + sel["error"].replace("\n", "\n    "))
+    env = report["environment"]
+    out += ["", "Environment (vattn.envs)"]
+    if _section_error(env) is None:
+        set_rows = [r for r in env if r["set"]]
+        out += ["  set:"] + ([f"    {r['name']}={r['raw']}  (in effect: {r['value']!r})" for r in set_rows]
+                            or ["    (none)"])
+        out += ["  at their defaults:"] + [f"    {r['name']}: {r['value']!r}" for r in env if not r["set"]]
+    for key, value in report.items():
+        if (err := _section_error(value)) is not None:
+            out.append(f"\n(section {key!r} failed: {err})")
+    return "\n".join(out)
+
+
+# ---- support matrix ---------------------------------------------------------------------------
+
+#: Matrix column -> the ``feature_notes`` keys whose note it shows (the first is the canonical key).
+MATRIX_NOTE_KEYS: dict[str, tuple[str, ...]] = {
+    "GPUs (min compute capability)": ("gpus", "min_compute_capability"),
+    "CPU": ("cpu", "runs_on_cpu"),
+    "dtypes": ("dtypes", "supported_dtypes"),
+    "head sizes": ("head_sizes",),
+    "fp8 KV": ("fp8_kv", "kv_cache_dtypes", "fp8"),
+    "sliding window": ("sliding_window",),
+    "soft cap": ("logits_soft_cap", "soft_cap"),
+    "ALiBi": ("alibi",),
+    "sinks": ("sinks", "sink"),
+    "encoder attention": ("encoder", "encoder_attention", "attn_types"),
+    "CUDA graphs": ("cuda_graphs", "cudagraph", "cudagraph_support"),
+}
+
+
+def _matrix_cells(cls: type[AttentionBackend]) -> dict[str, str]:
+    need = cls.min_compute_capability
+    fp8 = [d for d in cls.supported_kv_cache_dtypes if d.startswith("fp8")]
+    enc = [label for t, label in _ENCODER_TYPES.items() if t in cls.supported_attn_types]
+    return {
+        "GPUs (min compute capability)": "any" if need is None else f"{need[0]}.{need[1]}+",
+        "CPU": _yes(cls.runs_on_cpu),
+        "dtypes": ", ".join(_SHORT_DTYPES.get(d, str(d).removeprefix("torch.")) for d in cls.supported_dtypes),
+        "head sizes": format_sizes(cls.get_supported_head_sizes()),
+        "fp8 KV": "yes" if set(fp8) >= {"fp8", "fp8_e4m3", "fp8_e5m2"} else ", ".join(fp8) or "no",
+        "sliding window": _yes(cls.supports_sliding_window),
+        "soft cap": _yes(cls.supports_logits_soft_cap),
+        "ALiBi": _yes(cls.supports_alibi),
+        "sinks": _yes(cls.supports_sink),
+        "encoder attention": "yes" if len(enc) == len(_ENCODER_TYPES) else ", ".join(enc) or "no",
+        "CUDA graphs": _CG_WORDS[AttentionCGSupport(cls.get_builder_cls().cudagraph_support)],
+    }
+
+
+def support_matrix_markdown() -> str:
+    """The implemented backends' declared support as a Markdown table (registry order).
+
+    Built from class declarations only (``supported_dtypes``, ``supports_*``, the builder's
+    ``cudagraph_support``, ``feature_notes``, ...), so it is the same on every machine. A cell
+    whose feature has a note shows it after a colon (``yes: FA2 only``); notes under keys no
+    column shows (``MATRIX_NOTE_KEYS``) follow the table as a list.
+    """
+    header = ["backend", *MATRIX_NOTE_KEYS]
+    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    extra: list[str] = []
+    for member in AttentionBackendEnum:
+        if not member.is_implemented():
+            continue
+        cls = member.get_class()
+        cells, notes = _matrix_cells(cls), dict(cls.feature_notes)
+        for column, keys in MATRIX_NOTE_KEYS.items():
+            key = next((k for k in keys if k in notes), None)
+            if key is not None:
+                cells[column] += f": {notes.pop(key)}"
+        row = [member.name, *cells.values()]
+        rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |")
+        extra += [f"- {member.name}, {key}: {note}" for key, note in sorted(notes.items())]
+    return "\n".join(rows) + ("\n\n" + "\n".join(extra) if extra else "") + "\n"
