@@ -80,6 +80,8 @@ _KEY_TABLES: dict[str, KeyTable] = {
     "engine": KeyTable(("rep", "batch", "async_scheduling", "step_ms", "common_metadata_ms", "prepare_ms",
                         "runner_ms", "flush_ms")),
     "fp8": KeyTable(("backend", "variant", "ms_graph", "ms_launch", "kernels_per_layer", "quant_kernels")),
+    "hf": KeyTable(("model", "impl", "batch", "ms_per_step", "host_ms", "x_floor", "speedup_vs_hf_static",
+                    "speedup_vs_hf_eager", "x_example")),
     "gemv-chain": KeyTable(("part", "provider", "us_per_layer", "us", "tbps")),
     "kernels": KeyTable(("phase", "provider", "batch", "seq_len", "kv_dtype", "ms", "tbps", "tflops")),
     "layer_overhead": KeyTable(("backend", "case", "mode", "vattn_ms", "bare_ms", "bare_kv_ms", "ratio")),

@@ -354,6 +354,13 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                     arrival_step: int = 0) -> Request:
         req = Request(self._next_id, list(prompt_token_ids), sampling or SamplingParams(), arrival_step)
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        total = len(req.prompt_token_ids) + req.sampling.max_tokens
+        if isinstance(limit, int) and total > limit:
+            raise ValueError(
+                f"request {req.req_id}: expected prompt + max_tokens <= max_position_embeddings = {limit}, got "
+                f"{len(req.prompt_token_ids)} + {req.sampling.max_tokens} = {total}; shorten the prompt or "
+                "lower max_tokens.")
         self._next_id += 1
         self.scheduler.add(req)
         return req

@@ -9,6 +9,13 @@ finish at different lengths. Prints prefill and decode tokens/s.
         --num-requests 64 --prompt-len 512 --output-len 64
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --device cpu      # tensor parallel, gloo
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --preset llama-3-8b --compile --cudagraph
+    python examples/generate.py --hf /path/to/checkpoint --prompt "The capital of France is"   # transformers model
+
+``--hf PATH`` runs a local transformers checkpoint directory (config.json and safetensors) through
+``vattn.integrations.transformers`` (its attention on vattn, the rest transformers' own code). With
+a tokenizer in the directory ``--prompt`` (repeatable) takes text and the decoded completions are
+printed; without one the prompts are random token ids and the outputs are printed as ids
+(``python examples/hf_model.py DIR --tokenizer`` saves a tiny random checkpoint to try it).
 
 Tensor parallelism (``--tp N`` under ``torchrun --nproc-per-node N``; see examples/tp.py): rank r
 runs on ``cuda:LOCAL_RANK`` with NCCL (gloo on the CPU) and holds 1/N of the heads, the MLP and
@@ -95,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="model shape (default: tiny on CPU, llama-3.2-1b on CUDA)")
+    p.add_argument("--hf", default=None, metavar="PATH",
+                   help="run a local transformers checkpoint directory (config.json + safetensors) instead of a preset")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="with --hf and a tokenizer in PATH: a prompt text (repeat for several requests)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--backend", default=None,
@@ -137,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}.")
+    if args.hf is not None and args.tp != 1:
+        p.error("--hf runs on one device; tensor parallelism (--tp) is for the example model's presets.")
+    if args.prompt and args.hf is None:
+        p.error("--prompt needs --hf PATH (a checkpoint with a tokenizer); the presets take random token ids.")
     if args.backend is not None and vattn.backend_name_to_enum(args.backend) is None:
         p.error(f"--backend {args.backend!r} is not a vattn backend; valid: "
                 f"{[m.name for m in vattn.AttentionBackendEnum]}")
@@ -156,6 +171,55 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
         sp = SamplingParams(max_tokens=length(args.output_len), temperature=args.temperature, top_p=args.top_p)
         out.append((prompt, sp, i * args.arrival_every))
     return out
+
+
+def _tokenizer(path: str) -> Any | None:
+    """The tokenizer saved in checkpoint directory ``path``, or None when it holds none."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(path) / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def completion_text(tokenizer: Any, tokens: list[int]) -> str:
+    """A request's output as text, up to its first end-of-sequence token (requests finish by count)."""
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def build_hf(args: argparse.Namespace) -> tuple[Any, vattn.VattnConfig, Any, Any, list[list[int]] | None]:
+    """``--hf``: the transformers checkpoint on vattn (``vattn.integrations.transformers``), its
+    config and KV cache, its tokenizer (or None) and the tokenized ``--prompt`` texts (or None)."""
+    from vattn.integrations import transformers as vt
+
+    if not (Path(args.hf) / "config.json").is_file():
+        raise SystemExit(f"--hf {args.hf}: expected a checkpoint directory with config.json (and safetensors).")
+    tokenizer = _tokenizer(args.hf)
+    if args.prompt and tokenizer is None:
+        raise SystemExit(f"--prompt needs a tokenizer, and {args.hf} has none; leave --prompt out to run random "
+                         "token ids.")
+    prompts = [tokenizer(text)["input_ids"] for text in args.prompt] if args.prompt else None
+    if prompts is not None:
+        args.num_requests, args.prompt_len = len(prompts), max(len(p) for p in prompts)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    sizes = tuple(int(x) for x in args.compile_sizes.split(",") if x.strip())
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype),
+                            compilation=vattn.CompilationConfig(compile_sizes=sizes, cache_dir=args.compile_cache_dir,
+                                                                piece_passes=(OneTokenGemv(),)))
+    if args.no_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+    with vattn.global_force_attn_backend_context_manager(args.backend):
+        model = vt.from_pretrained(args.hf, cfg, dtype=dtype, device=device, local_files_only=True)
+    per_req = -(-(args.prompt_len + args.output_len) // args.block_size)
+    num_blocks = args.num_blocks or per_req * min(args.num_requests, args.max_num_seqs) + per_req
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)
+    return model, cfg, kv, tokenizer, prompts
 
 
 def build(args: argparse.Namespace, tp: TensorParallel | None = None
@@ -213,11 +277,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
     lead = tp.rank == 0  # the rank that prints
     args.no_progress = args.no_progress or not lead
-    model, cfg, kv = build(args, tp)
+    tokenizer, prompts = None, None
+    if args.hf is not None:
+        model, cfg, kv, tokenizer, prompts = build_hf(args)
+    else:
+        model, cfg, kv = build(args, tp)
     if args.symm_mem and not tp.enable_symm_mem(max(args.max_num_batched_tokens, args.max_num_seqs),
                                                  model.config.hidden_size, DTYPES[args.dtype], kv_device(kv)):
         print("--symm-mem: not available here (see the warning); using NCCL.", file=sys.stderr)
-    backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
+    backend = next(iter(cfg.attention_layers().values())).attn_backend.get_name()
     forward_fn: Callable[..., torch.Tensor] = model
     if args.compile:
         forward_fn = compile_model(model, cfg, args.compile_backend)
@@ -241,7 +309,11 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
         warmup_s = time.perf_counter() - t0
 
     engine = new_engine()
-    requests = [engine.add_request(p, sp, a) for p, sp, a in make_requests(args, model.config.vocab_size)]
+    todo = make_requests(args, model.config.vocab_size)
+    if prompts is not None:  # --prompt texts: every request generates --output-len tokens
+        todo = [(p, SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p), a)
+                for p, (_, _, a) in zip(prompts, todo)]
+    requests = [engine.add_request(p, sp, a) for p, sp, a in todo]
     total_out = sum(r.sampling.max_tokens for r in requests)
     bar = tqdm(total=total_out, unit="tok", desc="generate", disable=args.no_progress, file=sys.stdout)
     t0 = time.perf_counter()
@@ -270,14 +342,21 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
         "tp": float(tp.size),
         "outputs": [r.output_token_ids for r in requests],
     }
+    if tokenizer is not None:
+        result["texts"] = [completion_text(tokenizer, r.output_token_ids) for r in requests]
     if not lead:
         return result
-    print(f"model {args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, "
+    print(f"model {args.hf or args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, "
           f"compile={args.compile}, scheduling={'sync' if args.sync_scheduling else 'async'}, "
           f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
           + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))
     print(f"prefill: {prefill_tok} tokens, {result['prefill_tok_s']:.1f} tok/s | decode: {decode_tok} tokens, "
           f"{result['decode_tok_s']:.1f} tok/s, {result['ms_per_decode_step']:.2f} ms/step (decode-only steps)")
+    if args.hf is not None:  # every completion: decoded text with a tokenizer, else token ids
+        for i, r in enumerate(requests):
+            shown = repr(result["texts"][i]) if tokenizer is not None else r.output_token_ids
+            print(f"request {i}: prompt {len(r.prompt_token_ids)} tokens -> {shown}")
+        return result
     print(f"request 0: prompt {len(requests[0].prompt_token_ids)} tokens -> {requests[0].output_token_ids[:16]}"
           + (" ..." if len(requests[0].output_token_ids) > 16 else ""))
     return result

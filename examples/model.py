@@ -251,7 +251,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (T, 1, D) in ``dtype``: gathered once per step and shared by all layers."""
+        """(cos, sin), each (T, 1, D) in ``dtype``: gathered once per step and shared by all layers.
+
+        Positions must lie in ``[0, max_position_embeddings)``: CPU positions are checked when not
+        compiling (a device's would cost a sync; ``Engine.add_request`` refuses requests that
+        would run past the table)."""
+        if not torch.compiler.is_compiling() and positions.device.type == "cpu" and positions.numel():
+            lo, hi, rows = int(positions.min()), int(positions.max()), self.cos_cache.shape[0]
+            if lo < 0 or hi >= rows:
+                raise ValueError(
+                    f"positions: expected values in [0, max_position_embeddings = {rows}), got {lo}..{hi}; "
+                    "shorten the sequence or build the model with a larger max_position_embeddings.")
         return (self.cos_cache.index_select(0, positions).to(dtype)[:, None, :],
                 self.sin_cache.index_select(0, positions).to(dtype)[:, None, :])
 

@@ -155,9 +155,9 @@ def test_graph_capture_marks_a_size_and_graph_errors_are_clear() -> None:
     assert b.build_for_cudagraph_capture(c).use_cuda_graph
     assert b.build(0, c).use_cuda_graph  # that size was captured: persistent buffers from now on
     with pytest.raises(ValueError, match="exceeds the largest capture size 8"):
-        b.build_for_cudagraph_capture(build_common_attn_metadata([1] * 9, [0] * 9, [[0]] * 9, 16))
+        b.build_for_cudagraph_capture(build_common_attn_metadata([1] * 9, [0] * 9, [[i] for i in range(9)], 16))
     with pytest.raises(ValueError, match="needs 4 blocks but the CUDA-graph page table holds 3"):
-        b.build(0, build_common_attn_metadata([1], [60], [[0, 1, 2, 0]], 16, num_tokens_padded=4))
+        b.build(0, build_common_attn_metadata([1], [60], [[0, 1, 2, 3]], 16, num_tokens_padded=4))
 
 
 def test_small_batches_use_the_persistent_path_on_cuda() -> None:
@@ -166,9 +166,9 @@ def test_small_batches_use_the_persistent_path_on_cuda() -> None:
     m = b.build(0, build_common_attn_metadata([1, 2], [9, 0], [[1], [2]], 16))  # 3 tokens: no capture size
     assert not m.use_cuda_graph and m.max_query_len == 3 and m.query_start_loc.tolist() == [0, 1, 3, 3]
     assert m.block_table.data_ptr() == b._persistent(None)["table"].data_ptr()  # type: ignore[arg-type]
-    wide = b.build(0, build_common_attn_metadata([1, 2], [60, 0], [[0, 1, 2, 0], [2]], 16))  # 4 pages > 3
+    wide = b.build(0, build_common_attn_metadata([1, 2], [60, 0], [[0, 1, 3, 4], [2]], 16))  # 4 pages > 3
     assert wide.max_query_len == 2 and wide.block_table.shape == (2, 4)  # the caller's tensors
-    big = b.build(0, build_common_attn_metadata([1] * 9, [0] * 9, [[0]] * 9, 16))  # above the largest size
+    big = b.build(0, build_common_attn_metadata([1] * 9, [0] * 9, [[i] for i in range(9)], 16))  # above the largest size
     assert big.max_query_len == 1 and big.query_start_loc.shape == (10,)
 
 

@@ -75,9 +75,9 @@ def test_metadata_on_cuda_is_one_copy_of_aligned_views():
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
-        (([3], [0], [[]], 4), {}, "needing 1 blocks"),
+        (([3], [0], [[]], 4), {}, r"block_tables\[0\]: expected ceil\(seq_len / block_size\) = 1 block ids"),
         (([1, 1], [0], [[0], [1]], 4), {}, "same requests"),
-        (([1], [0], [[9]], 4), {"num_blocks": 8}, "outside"),
+        (([1], [0], [[9]], 4), {"num_blocks": 8}, r"block ids in \[0, num_blocks = 8\)"),
         (([1], [-1], [[0]], 4), {}, "non-negative"),
         (([2], [0], [[0]], 4), {"num_tokens_padded": 1}, "at least"),
     ],

@@ -37,7 +37,7 @@ def test_registers_and_repr(vattn_config):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+        (dict(num_kv_heads=3), "num_kv_heads: expected a divisor"),
         (dict(attn_type="bogus"), "attn_type must be one of"),
         (dict(prefix=""), "prefix must be"),
         (dict(attn_backend="NOPE"), "NOPE"),
@@ -183,7 +183,7 @@ def test_cache_dtype_mismatch_is_an_error(vattn_config):
     layer = _layer("a")
     kv = vattn.allocate_kv_cache(vattn_config, num_blocks=4, dtype=torch.float16)
     md = kv.build_metadata(kv.common_metadata([2], [0], [[0]]))
-    with vattn.set_forward_context(md, vattn_config), pytest.raises(TypeError, match="KV cache dtype"):
+    with vattn.set_forward_context(md, vattn_config), pytest.raises(TypeError, match="kv_cache dtype"):
         layer(torch.randn(2, H * D), torch.randn(2, HK * D), torch.randn(2, HK * D))
 
 

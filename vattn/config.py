@@ -57,7 +57,7 @@ class CacheConfig:
     calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
             raise ValueError(
                 f"CacheConfig.block_size must be a positive int, got {self.block_size!r}; "
                 "use e.g. 16 or 32."
@@ -66,9 +66,15 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}."
             )
-        if self.sliding_window is not None and self.sliding_window <= 0:
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
             raise ValueError(
-                f"CacheConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}."
+                f"CacheConfig.sliding_window must be None or a positive int (tokens), got {window!r}; "
+                "pass None for full attention."
+            )
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(
+                f"CacheConfig.calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}."
             )
 
 

@@ -5,18 +5,20 @@ environment at access time), so tests and users may change them at run time.
 
 | variable | meaning |
 | --- | --- |
-| ``VATTN_ATTENTION_BACKEND`` | force a backend by name (``FLASHINFER``, ``TRITON_ATTN``, ...) |
-| ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` or ``HND``: the stride order of the paged KV cache |
-| ``VATTN_DEBUG_CHECKS`` | ``1``: add (syncing) bound checks of slot mappings and block tables |
-| ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every CUDA-graph replay that inputs and metadata sit where the capture read them |
-| ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0`` / ``1``: FLASHINFER decode with the tensor-core (prefill) kernel or the CUDA-core decode kernel (default: the tensor-core kernel) |
-| ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: launch vattn's Triton kernels through Triton's own (slower) path instead of ``FastLaunch``'s cache (default ``1``) |
-| ``VATTN_TRITON_FUSED_KV_STORE`` | ``0``: TRITON_ATTN stores decode batches' new K/V with its own kernel before attention instead of inside the attention kernel (default ``1``) |
-| ``VATTN_CACHE_ROOT`` | where vattn keeps its caches (default ``$XDG_CACHE_HOME/vattn``, else ``~/.cache/vattn``) |
-| ``VATTN_DISABLE_COMPILE_CACHE`` | ``1``: ``vattn.compile`` keeps no Dynamo trace in ``$VATTN_CACHE_ROOT/compile`` (a ``CompilationConfig.cache_dir`` set in code still applies) |
-| ``VATTN_COMPILE_CHECK_GUARDS`` | ``1``: every call of a ``vattn.compile``d model goes through Dynamo's guards (default: once per call signature, see ``vattn.compile_passes.dispatch``) |
-| ``TRITON_INTERPRET`` | Triton's own flag, read here: ``1`` lets TRITON_ATTN run on CPU (the Triton interpreter) |
-| ``VATTN_Q_SCALE_CONSTANT`` etc. | divisors used by ``calc_kv_scales`` (defaults 200, 100, 100) |
+| ``VATTN_ATTENTION_BACKEND`` | force a backend by name (``TRITON_ATTN``, ...) |
+| ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` (default) or ``HND``: the paged cache's stride order |
+| ``VATTN_DEBUG_CHECKS`` | ``1``: check each step's metadata, device tensors too, before any kernel; costs one host sync a step |
+| ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every replay that inputs and metadata sit where the capture read them |
+| ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0``: FLASHINFER decodes with its CUDA-core kernel (default: tensor cores) |
+| ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: launch Triton kernels through Triton's own, slower path |
+| ``VATTN_TRITON_FUSED_KV_STORE`` | ``0``: TRITON_ATTN decodes store K/V in a kernel of their own |
+| ``VATTN_CACHE_ROOT`` | vattn's cache folder (default ``~/.cache/vattn``) |
+| ``VATTN_DISABLE_COMPILE_CACHE`` | ``1``: ``vattn.compile`` stores no Dynamo trace |
+| ``VATTN_COMPILE_CHECK_GUARDS`` | ``1``: every compiled call goes through Dynamo's guards |
+| ``TRITON_INTERPRET`` | ``1``: Triton kernels run on CPU (the interpreter; tests) |
+| ``VATTN_Q_SCALE_CONSTANT`` | divisor of ``calc_kv_scales``' q scale (default 200) |
+| ``VATTN_K_SCALE_CONSTANT`` | same for k (default 100) |
+| ``VATTN_V_SCALE_CONSTANT`` | same for v (default 100) |
 """
 
 from __future__ import annotations
@@ -43,7 +45,19 @@ def _cache_root() -> str:
 
 
 def _int(name: str, default: int) -> Callable[[], int]:
-    return lambda: int(os.environ.get(name, str(default)))
+    def read() -> int:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(
+                f"{name}: expected an integer, got {raw!r}; set it to an integer such as {default}, or unset it "
+                f"for the default {default}."
+            ) from None
+
+    return read
 
 
 environment_variables: dict[str, Callable[[], Any]] = {

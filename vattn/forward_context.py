@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
+from vattn import envs
 from vattn.config import VattnConfig, get_current_vattn_config
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class ForwardContext:
             ``None`` for a warm-up / profile run (the cache is left untouched).
         virtual_engine: index into each layer's ``kv_cache`` list (pipeline stage).
         batch_descriptor: set by the CUDA-graph runner (the padded size being replayed).
+        debug_checks: ``VATTN_DEBUG_CHECKS`` when the context was set (read once per step).
     """
 
     no_compile_layers: dict[str, "Attention"]
@@ -36,6 +38,7 @@ class ForwardContext:
     virtual_engine: int = 0
     batch_descriptor: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    debug_checks: bool = False
 
     def metadata_for(self, layer_name: str) -> "AttentionMetadata | None":
         """The metadata of ``layer_name``; a clear error when a per-layer dict lacks it."""
@@ -102,6 +105,7 @@ def set_forward_context(
         attn_metadata=attn_metadata,
         virtual_engine=virtual_engine,
         batch_descriptor=batch_descriptor,
+        debug_checks=envs.VATTN_DEBUG_CHECKS,
     )
     _forward_context.append(ctx)
     try:

@@ -50,7 +50,7 @@ _ENCODER_TYPES = {
 _CG_WORDS = {
     AttentionCGSupport.ALWAYS: "always",
     AttentionCGSupport.UNIFORM_BATCH: "uniform batches",
-    AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE: "single-token decodes",
+    AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE: "1-token decodes",
     AttentionCGSupport.NEVER: "piecewise only",
 }
 _GENERATIONS = {(7, 0): "Volta", (7, 5): "Turing", (8, 0): "Ampere", (8, 6): "Ampere", (8, 9): "Ada",
@@ -327,7 +327,7 @@ def render_text(report: dict[str, Any]) -> str:
 
 #: Matrix column -> the ``feature_notes`` keys whose note it shows (the first is the canonical key).
 MATRIX_NOTE_KEYS: dict[str, tuple[str, ...]] = {
-    "GPUs (min compute capability)": ("gpus", "min_compute_capability"),
+    "GPUs (compute capability)": ("gpus", "min_compute_capability"),
     "CPU": ("cpu", "runs_on_cpu"),
     "dtypes": ("dtypes", "supported_dtypes"),
     "head sizes": ("head_sizes",),
@@ -336,7 +336,7 @@ MATRIX_NOTE_KEYS: dict[str, tuple[str, ...]] = {
     "soft cap": ("logits_soft_cap", "soft_cap"),
     "ALiBi": ("alibi",),
     "sinks": ("sinks", "sink"),
-    "encoder attention": ("encoder", "encoder_attention", "attn_types"),
+    "encoder": ("encoder", "encoder_attention", "attn_types"),
     "CUDA graphs": ("cuda_graphs", "cudagraph", "cudagraph_support"),
 }
 
@@ -346,7 +346,7 @@ def _matrix_cells(cls: type[AttentionBackend]) -> dict[str, str]:
     fp8 = [d for d in cls.supported_kv_cache_dtypes if d.startswith("fp8")]
     enc = [label for t, label in _ENCODER_TYPES.items() if t in cls.supported_attn_types]
     return {
-        "GPUs (min compute capability)": "any" if need is None else f"{need[0]}.{need[1]}+",
+        "GPUs (compute capability)": "any" if need is None else f"{need[0]}.{need[1]}+",
         "CPU": _yes(cls.runs_on_cpu),
         "dtypes": ", ".join(_SHORT_DTYPES.get(d, str(d).removeprefix("torch.")) for d in cls.supported_dtypes),
         "head sizes": format_sizes(cls.get_supported_head_sizes()),
@@ -355,7 +355,7 @@ def _matrix_cells(cls: type[AttentionBackend]) -> dict[str, str]:
         "soft cap": _yes(cls.supports_logits_soft_cap),
         "ALiBi": _yes(cls.supports_alibi),
         "sinks": _yes(cls.supports_sink),
-        "encoder attention": "yes" if len(enc) == len(_ENCODER_TYPES) else ", ".join(enc) or "no",
+        "encoder": "yes" if len(enc) == len(_ENCODER_TYPES) else ", ".join(enc) or "no",
         "CUDA graphs": _CG_WORDS[AttentionCGSupport(cls.get_builder_cls().cudagraph_support)],
     }
 

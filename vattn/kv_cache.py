@@ -7,11 +7,14 @@ The per-request arithmetic (block tables, slot mapping) lives in ``vattn.metadat
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import torch
 
+from vattn import envs
 from vattn.backends.abstract import (
     AttentionBackend,
     AttentionMetadata,
@@ -20,6 +23,9 @@ from vattn.backends.abstract import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vattn.backends.batch_checks import StepChecks, cache_geometry
+from vattn.backends.checks import check_common_metadata
+from vattn.backends.debug_checks import check_common_on_device
 from vattn.config import VattnConfig, get_current_vattn_config
 from vattn.metadata import build_common_attn_metadata
 from vattn.ops.kv_store import kv_cache_torch_dtype
@@ -67,20 +73,53 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    def check(self, common: CommonAttentionMetadata) -> StepChecks:
+        """Check ``common`` against this cache before anything runs on it: on the host (block size,
+        block ids below ``num_blocks``, the block table's reach; the slots and block table
+        themselves where they are CPU tensors, or where vattn's helpers built them). Device tensors
+        a caller filled by hand are read only with ``VATTN_DEBUG_CHECKS=1`` (one host sync per
+        step): reading them otherwise would stall every step. Once per metadata; raises
+        ``ValueError`` naming the field."""
+        if not isinstance(common, CommonAttentionMetadata):
+            raise TypeError(
+                f"common: expected a vattn.CommonAttentionMetadata (kv.common_metadata(...)), got "
+                f"{type(common).__name__}; build the step's metadata with kv.common_metadata or "
+                "vattn.build_common_attn_metadata."
+            )
+        checks = common.host_checks
+        if checks is None or not checks.describes(common):  # fields replaced after construction
+            checks = common.host_checks = check_common_metadata(common)
+        device = next(iter(self.tensors.values())).device if self.tensors else checks.device
+        if checks.device != device:
+            raise ValueError(
+                f"common: expected metadata on the KV cache's device {device}, got tensors on {checks.device}; "
+                "build it with kv.common_metadata(...) (the cache's device) or device=kv's device."
+            )
+        checks.check(self.block_size, self.num_blocks, f"this PagedKVCache ({self.num_blocks} blocks of {self.block_size})")
+        if envs.VATTN_DEBUG_CHECKS and not checks.device_checked:
+            check_common_on_device(common, self.block_size, self.num_blocks)
+            checks.device_checked = True
+        return checks
+
     def build_metadata(
         self, common: CommonAttentionMetadata, common_prefix_len: int = 0, fast_build: bool = False
     ) -> dict[str, AttentionMetadata]:
-        """Each group's backend metadata for this step, keyed by layer name."""
+        """Each group's backend metadata for this step, keyed by layer name (``check`` first)."""
+        checks = self.check(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
             md = g.builder.build(common_prefix_len, common, fast_build=fast_build)
+            md.checks = checks
             out.update(dict.fromkeys(g.layer_names, md))
         return out
 
     def build_metadata_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> dict[str, AttentionMetadata]:
+        checks = self.check(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
-            out.update(dict.fromkeys(g.layer_names, g.builder.build_for_cudagraph_capture(common)))
+            md = g.builder.build_for_cudagraph_capture(common)
+            md.checks = checks
+            out.update(dict.fromkeys(g.layer_names, md))
         return out
 
     def can_run_in_cudagraph(self, common: CommonAttentionMetadata) -> bool:
@@ -155,8 +194,13 @@ def allocate_kv_cache(
     get their target's tensor.
     """
     config = config if config is not None else get_current_vattn_config()
-    if not isinstance(num_blocks, int) or num_blocks <= 0:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
+    if not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool):
+        raise TypeError(f"num_blocks: expected a positive int, got {num_blocks!r} of type "
+                        f"{type(num_blocks).__name__}; pass an int such as 1024.")
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks: expected a positive int, got {num_blocks}; pass at least 1 (a request of "
+                         "n tokens needs ceil(n / block_size) blocks).")
+    num_blocks = int(num_blocks)
     device = torch.device(device)
     layers: dict[str, "Attention"] = config.compilation.static_forward_context
     if not layers:
@@ -170,11 +214,19 @@ def allocate_kv_cache(
 
     tensors: dict[str, torch.Tensor] = {}
     grouped: dict[tuple[type[AttentionBackend], AttentionSpec], list[str]] = {}
+    owners = []
     for name, layer in layers.items():
         spec = _spec_of(layer, dtype or layer.dtype)
         grouped.setdefault((layer.attn_backend, spec), []).append(name)
         if layer.attn_type not in _NO_CACHE_TYPES and layer.kv_sharing_target_layer_name is None:
-            tensors[name] = _allocate_one(layer.attn_backend, spec, num_blocks, device)
+            owners.append((name, layer.attn_backend, spec))
+    _check_capacity(owners, num_blocks, device)
+    try:
+        for name, backend, spec in owners:
+            tensors[name] = _allocate_one(backend, spec, num_blocks, device)
+    except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is one)
+        raise type(e)(f"num_blocks={num_blocks}: allocating the KV cache on {device} failed ({e}); lower "
+                      "num_blocks (free memory / bytes per block of all layers).") from None
     for name, layer in layers.items():
         target = layer.kv_sharing_target_layer_name
         if target is not None:
@@ -190,11 +242,45 @@ def allocate_kv_cache(
     return kv
 
 
+def _check_capacity(owners: list[tuple[str, Any, AttentionSpec]], num_blocks: int, device: torch.device) -> None:
+    """A ``ValueError`` naming ``num_blocks`` when the caches cannot fit the device's memory at all."""
+    total = 0
+    for _, backend, spec in owners:
+        shape = backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
+                                           spec.cache_dtype_str)
+        total += int(np.prod(shape, dtype=np.float64)) * torch.empty((), dtype=spec.dtype).element_size()
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    else:
+        try:
+            capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    if total > capacity:
+        per_block = total // num_blocks
+        raise ValueError(
+            f"num_blocks: expected at most {capacity // max(per_block, 1)} blocks on {device} ({capacity / 2**30:.1f} "
+            f"GiB; one block of all {len(owners)} layers takes {per_block} bytes), got {num_blocks} "
+            f"({total / 2**30:.1f} GiB); lower num_blocks."
+        )
+
+
 def bind_kv_cache(tensors: dict[str, torch.Tensor], config: VattnConfig | None = None) -> None:
-    """Point every layer's ``kv_cache[0]`` at its tensor (``tensors``: layer name -> tensor)."""
+    """Point every layer's ``kv_cache[0]`` at its tensor (``tensors``: layer name -> tensor).
+
+    Each tensor must have the shape the layer's backend states (``get_kv_cache_shape``) for the
+    layer's KV heads, head size and block size, with any block count: else ``ValueError``."""
     config = config if config is not None else get_current_vattn_config()
     layers = config.compilation.static_forward_context
     for name, tensor in tensors.items():
         if name not in layers:
             raise KeyError(f"bind_kv_cache: no attention layer named {name!r} in the config; known: {list(layers)[:8]}")
+        layer = layers[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"bind_kv_cache: tensors[{name!r}]: expected a torch.Tensor, got {type(tensor).__name__}; "
+                            "pass the cache tensors by layer name (kv.tensors).")
+        if layer.attn_type not in _NO_CACHE_TYPES and hasattr(layer, "attn_backend"):
+            cache_geometry(layer.attn_backend, tensor, block_size=layer.block_size, num_kv_heads=layer.num_kv_heads,
+                           head_size=layer.head_size, cache_dtype=layer.kv_cache_dtype, name=f"bind_kv_cache: {name}")
+    for name, tensor in tensors.items():
         layers[name].kv_cache = [tensor]

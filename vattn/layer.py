@@ -11,9 +11,11 @@ from torch import nn
 import vattn.ops  # noqa: F401  (registers the vattn:: ops)
 from vattn import envs
 from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, AttentionType, is_fp8_kv_cache
+from vattn.backends.checks import check_layer_args
 from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.forward_context import get_forward_context
+from vattn.ops.attention import check_call
 from vattn.ops.kv_store import fp8_dtype_for
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8
 from vattn.platform import current_platform
@@ -139,20 +141,17 @@ class Attention(nn.Module, AttentionLayerBase):
         cache_config = cache_config if cache_config is not None else vattn_config.cache
         if num_kv_heads is None:
             num_kv_heads = num_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}; "
-                "choose num_kv_heads among the divisors of num_heads (1 for MQA, num_heads for MHA)."
-            )
+        sliding_window = (
+            per_layer_sliding_window if per_layer_sliding_window is not None else cache_config.sliding_window
+        )
+        check_layer_args(num_heads, head_size, scale, num_kv_heads, logits_soft_cap, sliding_window, alibi_slopes,
+                         where=f"vattn.Attention({prefix!r})")
         if attn_type not in AttentionType.ALL:
             raise ValueError(f"attn_type must be one of {AttentionType.ALL}, got {attn_type!r}.")
         if not prefix:
             raise ValueError("prefix must be a unique non-empty layer name, e.g. 'model.layers.0.self_attn.attn'.")
         if cache_config.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_config.cache_dtype!r}.")
-        sliding_window = (
-            per_layer_sliding_window if per_layer_sliding_window is not None else cache_config.sliding_window
-        )
 
         self.num_heads = num_heads
         self.head_size = head_size
@@ -230,6 +229,8 @@ class Attention(nn.Module, AttentionLayerBase):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         # Replaced by vattn.allocate_kv_cache / bind_kv_cache (one entry per virtual engine).
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
+        self._checked_cache: Any = None  # weakref to the bound tensor whose shape was checked (the op's check_call)
+        self._cache_geometry: tuple[int, int] | None = None
 
         self.query_quant: QuantFP8 | None = None
         if is_fp8_kv_cache(self.kv_cache_dtype) and self.attn_backend.supports_quant_query_input:
@@ -245,6 +246,12 @@ class Attention(nn.Module, AttentionLayerBase):
             raise ValueError(
                 f"{self.layer_name}: query last dim must be num_heads * head_size = {self.num_heads} * "
                 f"{self.head_size} = {hq}, got shape {tuple(query.shape)}; check the q projection's width."
+            )
+        if (key is None) != (value is None):
+            raise ValueError(
+                f"{self.layer_name}: key/value: expected both tensors or both None (K/V from the cache only), "
+                f"got key={'None' if key is None else 'a tensor'}, value={'None' if value is None else 'a tensor'}; "
+                "pass the new tokens' key and value together."
             )
         for name, t in (("key", key), ("value", value)):
             if t is None:
@@ -333,6 +340,7 @@ class Attention(nn.Module, AttentionLayerBase):
         md = ctx.metadata_for(self.layer_name)
         if md is None:
             return output.zero_() if output is not None else torch.zeros_like(query)
+        check_call(self, query, key, value, self.kv_cache[ctx.virtual_engine], md, ctx.debug_checks)
         return self.impl.forward(self, query, key, value, self.kv_cache[ctx.virtual_engine], md, output=output)
 
     # ---- fp8 scales and loading ---------------------------------------------------------

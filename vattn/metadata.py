@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from vattn.backends.abstract import CommonAttentionMetadata
+from vattn.backends.batch_checks import StepChecks, check_duplicate_blocks
 
 __all__ = ["build_common_attn_metadata", "to_device"]
 
@@ -50,53 +51,72 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
+def _int_kind(name: str, arr: np.ndarray, fix: str) -> np.ndarray:
+    """``arr`` as int64, or a ``TypeError`` naming ``name`` when it holds anything but integers
+    (floats would be truncated silently, booleans counted as 0 and 1)."""
+    if arr.dtype.kind not in "iu" and arr.size:
+        sample = arr.reshape(-1)[:6].tolist()
+        raise TypeError(f"{name}: expected integers, got dtype {arr.dtype} ({sample}); {fix}")
+    return arr.astype(np.int64, copy=False)
+
+
 def _as_int_array(name: str, values: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(values, (list, tuple)):
-        try:  # Python's min over a short list of ints costs the host less than a numpy reduction
-            fast = bool(min(values, default=0) >= 0)
-        except (TypeError, ValueError):  # not a flat list of numbers: the general path below handles it
-            fast = False
-        if fast:
-            return np.array(values, dtype=np.int64)
+    fix = "pass a list of Python ints or an integer tensor (e.g. [3, 1], torch.tensor([3, 1]))."
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    out = np.asarray(values, dtype=np.int64).reshape(-1)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: expected a flat sequence of ints, got {type(values).__name__} ({e}); {fix}") from None
+    out = _int_kind(name, arr, fix).reshape(-1)
     if out.size and out.min() < 0:
-        raise ValueError(f"{name} must be non-negative, got {out.tolist()}.")
+        raise ValueError(f"{name}: expected non-negative counts, got {out.tolist()[:16]}; pass one count >= 0 per request.")
     return out
+
+
+def _check_size(name: str, value: int | None, minimum: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int (or None), got {value!r} of type {type(value).__name__}; pass an int.")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}; pass a size of at least {minimum}.")
 
 
 def _block_table_array(
     block_tables: Sequence[Sequence[int]] | torch.Tensor | np.ndarray, b: int, width: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(table (b, width) int64, row lengths (b,)); tensor/array rows count as full width."""
+    fix = "pass rows of int block ids (lists of ints, or an int32/int64 tensor)."
     if isinstance(block_tables, (torch.Tensor, np.ndarray)):
         arr = block_tables.detach().cpu().numpy() if isinstance(block_tables, torch.Tensor) else block_tables
-        arr = np.asarray(arr, dtype=np.int64)
+        arr = _int_kind("block_tables", np.asarray(arr), fix)
         if arr.ndim != 2 or arr.shape[0] < b:
             raise ValueError(
-                f"block_tables must be a 2-D (num_reqs, max_blocks) tensor with at least {b} rows, "
-                f"got shape {tuple(arr.shape)}."
+                f"block_tables: expected a 2-D (num_reqs, max_blocks) tensor with at least {b} rows, "
+                f"got shape {tuple(arr.shape)}; give one row of block ids per request."
             )
-        rows = np.full(b, arr.shape[1], dtype=np.int64)
         arr = arr[:b]
+        rows = np.full(b, arr.shape[1], dtype=np.int64)
     else:
         lists = list(block_tables)
         if len(lists) < b:
-            raise ValueError(f"block_tables has {len(lists)} rows for {b} requests; give one row per request.")
+            raise ValueError(f"block_tables: expected a row per request ({b}), got {len(lists)} rows; "
+                             "give one list of block ids per request.")
         lists = lists[:b]
         lens = [len(r) for r in lists]
         w = max(max(lens, default=1), 1)
         if b and all(n == w for n in lens):  # every row full: one conversion, no per-row copies
-            arr = np.array(lists, dtype=np.int64).reshape(b, w)
+            arr = _int_kind("block_tables", np.array(lists).reshape(b, w), fix)
         else:
             arr = np.zeros((b, w), dtype=np.int64)
             for r in range(b):
-                arr[r, : lens[r]] = lists[r]
+                arr[r, : lens[r]] = _int_kind("block_tables", np.asarray(lists[r]), fix)
         rows = np.array(lens, dtype=np.int64)
     if width is not None:
         if (rows > width).any() and not isinstance(block_tables, (torch.Tensor, np.ndarray)):
-            raise ValueError(f"max_blocks_per_req={width} is smaller than the longest block table row ({rows.max()}).")
+            raise ValueError(f"max_blocks_per_req: expected at least the longest block table row ({rows.max()}), "
+                             f"got {width}; raise it or leave it None.")
         arr = np.pad(arr[:, :width], ((0, 0), (0, max(0, width - arr.shape[1]))))
         rows = np.minimum(rows, width)
     return arr, rows
@@ -136,15 +156,21 @@ def build_common_attn_metadata(
     New token ``i`` of request ``r`` sits at position ``num_computed_tokens[r] + i`` and goes to
     slot ``block_tables[r][pos // block_size] * block_size + pos % block_size``.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}.")
+    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool):
+        raise TypeError(f"block_size: expected an int (the cache's tokens per block, kv.block_size), got "
+                        f"{block_size!r} of type {type(block_size).__name__}; pass kv.block_size.")
+    _check_size("block_size", block_size, 1)
+    _check_size("num_tokens_padded", num_tokens_padded, 0)
+    _check_size("num_reqs_padded", num_reqs_padded, 0)
+    _check_size("max_blocks_per_req", max_blocks_per_req, 0)
+    _check_size("num_blocks", num_blocks, 1)
     qlens = _as_int_array("query_lens", query_lens)
     computed = _as_int_array("num_computed_tokens", num_computed_tokens)
     b = qlens.shape[0]
     if computed.shape[0] != b:
         raise ValueError(
-            f"query_lens ({b}) and num_computed_tokens ({computed.shape[0]}) must describe the same "
-            "requests; give one entry per request."
+            f"query_lens / num_computed_tokens: expected one entry per request in each, got {b} and "
+            f"{computed.shape[0]}; describe the same requests in both, in the same order."
         )
     table, row_lens = _block_table_array(block_tables, b, max_blocks_per_req)
     seq_lens = computed + qlens
@@ -152,29 +178,31 @@ def build_common_attn_metadata(
     if (row_lens < need).any():
         r = int(np.nonzero(row_lens < need)[0][0])
         raise ValueError(
-            f"block_tables[{r}] has {row_lens[r]} blocks but request {r} has {seq_lens[r]} tokens "
-            f"(num_computed_tokens {computed[r]} + query_len {qlens[r]}), needing {need[r]} blocks of "
-            f"{block_size}; allocate more blocks for it."
+            f"block_tables[{r}]: expected ceil(seq_len / block_size) = {need[r]} block ids for request {r}'s "
+            f"{seq_lens[r]} tokens (num_computed_tokens {computed[r]} + query_len {qlens[r]}, block_size "
+            f"{block_size}), got {row_lens[r]}; allocate more blocks for it."
         )
-    # Block ids in use must lie in [0, num_blocks); the whole table is checked first (two
-    # reductions), the used part only when that finds an id outside (unused ids may be anything).
-    if table.size and (table.min() < 0 or (num_blocks is not None and table.max() >= num_blocks)):
-        used = np.arange(table.shape[1])[None, :] < need[:, None]
+    # Block ids in use (each row's first ceil(seq_len / block_size)) must lie in [0, num_blocks),
+    # and no block may be used twice by one request or written by one and used by another.
+    full = bool(b) and int(need.min()) == table.shape[1]  # every column used (rows as long as needed)
+    used = np.ones(table.shape, dtype=bool) if full else np.arange(table.shape[1])[None, :] < need[:, None]
+    vals = table.reshape(-1) if full else table[used]
+    max_block = int(vals.max()) if vals.size else None
+    if vals.size and (vals.min() < 0 or (num_blocks is not None and max_block >= num_blocks)):
         bad = used & ((table < 0) | (table >= (num_blocks if num_blocks is not None else np.iinfo(np.int64).max)))
-        if bad.any():
-            r = int(np.nonzero(bad.any(1))[0][0])
-            raise ValueError(
-                f"block_tables[{r}] has block ids {table[r][bad[r]][:4].tolist()} outside [0, {num_blocks}); "
-                "use ids of blocks allocated in this cache (kv.num_blocks)."
-            )
+        r = int(np.nonzero(bad.any(1))[0][0])
+        raise ValueError(
+            f"block_tables[{r}]: expected block ids in [0, num_blocks = {num_blocks}), got "
+            f"{table[r][bad[r]][:4].tolist()}; use ids of blocks allocated in this cache (kv.num_blocks)."
+        )
 
     num_tokens, max_query_len = int(qlens.sum()), int(qlens.max(initial=0))
     t_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
     b_pad = b if num_reqs_padded is None else num_reqs_padded
     if t_pad < num_tokens or b_pad < b:
         raise ValueError(
-            f"num_tokens_padded={num_tokens_padded} / num_reqs_padded={num_reqs_padded} must be at least "
-            f"the real {num_tokens} tokens / {b} requests."
+            f"num_tokens_padded / num_reqs_padded: expected at least the real {num_tokens} tokens / {b} requests, "
+            f"got {num_tokens_padded} / {num_reqs_padded}; pad to a size at least the batch's (or pass None)."
         )
     # Padded requests: one padded token each while any remain, else none.
     all_q = qlens
@@ -191,15 +219,23 @@ def build_common_attn_metadata(
 
     slot = np.full(t_pad, -1, dtype=np.int64)
     if max_query_len == 1 and num_tokens == b:  # one token each (decodes): at the computed count
-        slot[:b] = table[np.arange(b), computed // block_size] * block_size + computed % block_size
-    elif num_tokens:
+        req = np.arange(b)
+        written = table[req, computed // block_size]
+        slot[:b] = written * block_size + computed % block_size
+    else:
         req = np.repeat(np.arange(b), qlens)
         pos = np.arange(num_tokens) - qsl[:-1][req] + computed[req]
-        slot[:num_tokens] = table[req, pos // block_size] * block_size + pos % block_size
+        written = table[req, pos // block_size]
+        slot[:num_tokens] = written * block_size + pos % block_size
+    attending = used if num_tokens == b and max_query_len == 1 else used & (qlens > 0)[:, None]
+    check_duplicate_blocks(table, attending, written, req, "block_tables", vals if attending is used else None)
 
     seq_all = (np.concatenate([seq_lens, pad_q]) if b_pad > b else seq_lens).astype(np.int32)
     qsl_dev, seq_dev, table_dev, slot_dev = to_device([qsl, seq_all, full_table, slot], torch.device(device))
     qsl_cpu, seq_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_all)
+    checks = StepChecks(refs=(qsl_cpu, seq_cpu, table_dev, slot_dev), device=qsl_dev.device,
+                        max_seq_len=int(seq_all.max(initial=0)), table_width=full_table.shape[1],
+                        block_size=int(block_size), max_block=max_block)
     return CommonAttentionMetadata(
         query_start_loc=qsl_dev,
         query_start_loc_cpu=qsl_cpu,
@@ -214,4 +250,5 @@ def build_common_attn_metadata(
         slot_mapping=slot_dev,
         max_seq_len=int(seq_lens.max(initial=0)),
         causal=causal,
+        host_checks=checks,
     )

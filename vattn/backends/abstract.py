@@ -10,15 +10,16 @@ seeds' import paths (``vattn.backends.utils.CommonAttentionMetadata``, ...) re-e
 from __future__ import annotations
 
 import abc
-import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from vattn.backends.batch_checks import StepChecks
 from vattn.backends.checks import check_common_metadata, configuration_reasons, feature_reasons
 from vattn.backends.decode_split import reorder_batch_to_split_decodes_and_prefills
+from vattn.backends.enums import AttentionCGSupport, AttentionType
 
 if TYPE_CHECKING:
     from vattn.config import VattnConfig
@@ -38,44 +39,17 @@ __all__ = [
 ]
 
 
-class AttentionType:
-    """Attention type. Plain strings, so ``torch.compile`` treats them as constants."""
-
-    DECODER = "decoder"
-    """Causal self-attention over previous tokens (uses the KV cache)."""
-    ENCODER = "encoder"
-    """Bidirectional encoder self-attention of an encoder-decoder model (no KV cache)."""
-    ENCODER_ONLY = "encoder_only"
-    """Bidirectional self-attention of an encoder-only model (no KV cache)."""
-    ENCODER_DECODER = "encoder_decoder"
-    """Cross-attention: decoder queries over encoder K/V (cached once per request)."""
-
-    ALL = (DECODER, ENCODER, ENCODER_ONLY, ENCODER_DECODER)
-
-
-class AttentionCGSupport(enum.IntEnum):
-    """How much of a backend's attention may be captured in a full CUDA graph.
-
-    Ordered: a higher level allows everything a lower one does.
-    """
-
-    NEVER = 0
-    """No full CUDA graphs (piecewise graphs, with attention outside, still work)."""
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    """Batches where every request decodes exactly one token."""
-    UNIFORM_BATCH = 2
-    """Batches where every request has the same query length (e.g. spec-decode)."""
-    ALWAYS = 3
-    """Any batch, including mixed prefill/decode."""
-
-
 def is_fp8_kv_cache(kv_cache_dtype: str | None) -> bool:
     """Whether a ``cache_dtype`` string names an fp8 cache."""
     return kv_cache_dtype is not None and kv_cache_dtype.startswith("fp8")
 
 
 class AttentionMetadata:
-    """Base of every backend's per-step metadata (backends use dataclasses)."""
+    """Base of every backend's per-step metadata (backends use dataclasses). ``checks`` (not a
+    field): the step's ``StepChecks``, set by ``PagedKVCache.build_metadata``; the attention op
+    checks the cache bound to each layer against it before writing."""
+
+    checks: StepChecks | None = None
 
 
 M = TypeVar("M", bound=AttentionMetadata)
@@ -115,9 +89,13 @@ class CommonAttentionMetadata:
     | slot_mapping | (T,) int64 | cache slot (block * block_size + offset) of each new token; -1 = padding |
     | causal | bool | causal masking (False for encoder attention) |
     | num_slot_tokens | int or None | real entries of slot_mapping: None = num_actual_tokens; cross-attention: the encoder tokens whose K/V this step writes |
+    | host_checks | StepChecks | set at construction: the batch's host facts (vattn's helpers pass theirs) |
 
-    After construction, ``slot_mapping[num_slot_tokens:]`` is filled with -1, so padded
-    tokens never touch the cache.
+    Construction checks the fields on the host (``vattn.backends.checks.check_common_metadata``:
+    dtypes, lengths, devices, what the host mirrors say; the slot mapping and block table too
+    where they are CPU tensors, once the batch meets a cache); a bad field raises ``ValueError``
+    naming it. Then ``slot_mapping[num_slot_tokens:]`` is filled with -1, so padded tokens never
+    touch the cache.
     """
 
     query_start_loc: torch.Tensor
@@ -133,9 +111,10 @@ class CommonAttentionMetadata:
     max_seq_len: int = -1
     causal: bool = True
     num_slot_tokens: int | None = None
+    host_checks: StepChecks | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_common_metadata(self)
+        self.host_checks = check_common_metadata(self)
         # Padded tokens must not write into the cache (also inside full CUDA graphs).
         real = self.num_actual_tokens if self.num_slot_tokens is None else self.num_slot_tokens
         if self.slot_mapping.shape[0] > real:

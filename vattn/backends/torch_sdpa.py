@@ -58,9 +58,9 @@ class TorchSDPABackend(AttentionBackend):
     runs_on_cpu: ClassVar[bool] = True
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
     feature_notes: ClassVar[dict[str, str]] = {
-        "sliding_window": "self-attention only (encoder_decoder cross-attention sees every encoder key)",
-        "alibi": "self-attention only (not applied to encoder_decoder cross-attention)",
-        "fp8_kv": "on CUDA, fp8 / fp8_e4m3 need compute capability 8.9+ (the Triton KV store's e4m3 type)",
+        "sliding_window": "not on cross-attention",
+        "alibi": "not on cross-attention",
+        "fp8_kv": "e4m3 on CUDA: 8.9+",
     }
 
     @staticmethod

@@ -160,9 +160,11 @@ class VattnCompiledModel(nn.Module):
         try:
             return aot_cache.compile_and_save(self.model, self.backend, args, kwargs, path)
         except Exception as e:  # noqa: BLE001  (the ordinary path still compiles the model)
-            logger.warning("vattn.compile: ahead-of-time capture failed (%s: %s); compiling without "
-                           "CompilationConfig.cache_dir%s.", type(e).__name__, e,
-                           " (VATTN_DISABLE_COMPILE_CACHE=1 skips the attempt)" if self._cache_dir_default else "")
+            # The default cache is best effort (info); a cache_dir the user set is worth a warning.
+            (logger.info if self._cache_dir_default else logger.warning)(
+                "vattn.compile: ahead-of-time capture failed (%s: %s); compiling without "
+                "CompilationConfig.cache_dir%s.", type(e).__name__, e,
+                " (VATTN_DISABLE_COMPILE_CACHE=1 skips the attempt)" if self._cache_dir_default else "")
             self.backend.reset()
             return None
 

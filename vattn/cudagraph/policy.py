@@ -166,21 +166,28 @@ def pad_common_attn_metadata(
     qsl_cpu = common.query_start_loc_cpu[: b + 1]
     bt = common.block_table_tensor[:b]
     slots = common.slot_mapping[:t]
+    qsl_cpu = torch.cat([qsl_cpu, qsl_cpu[b:] + pad_q_cpu.cumsum(0).to(qsl_cpu.dtype)])
+    seq_cpu = torch.cat([common.seq_lens_cpu[:b], pad_q_cpu.to(common.seq_lens_cpu.dtype)])
+    bt = torch.cat([bt, bt.new_zeros((extra, bt.shape[1]))])
+    slots = torch.cat([slots, slots.new_full((num_tokens_padded - t,), -1)])
+    facts = common.host_checks
     return CommonAttentionMetadata(
         query_start_loc=torch.cat([qsl, qsl[b:] + pad_q.cumsum(0).to(qsl.dtype)]),
-        query_start_loc_cpu=torch.cat([qsl_cpu, qsl_cpu[b:] + pad_q_cpu.cumsum(0).to(qsl_cpu.dtype)]),
+        query_start_loc_cpu=qsl_cpu,
         seq_lens=torch.cat([common.seq_lens[:b], pad_q.to(common.seq_lens.dtype)]),
-        seq_lens_cpu=torch.cat([common.seq_lens_cpu[:b], pad_q_cpu.to(common.seq_lens_cpu.dtype)]),
+        seq_lens_cpu=seq_cpu,
         num_computed_tokens_cpu=torch.cat(
             [common.num_computed_tokens_cpu[:b], torch.zeros(extra, dtype=common.num_computed_tokens_cpu.dtype)]
         ),
         num_reqs=bp,
         num_actual_tokens=t,
         max_query_len=common.max_query_len,
-        block_table_tensor=torch.cat([bt, bt.new_zeros((extra, bt.shape[1]))]),
-        slot_mapping=torch.cat([slots, slots.new_full((num_tokens_padded - t,), -1)]),
+        block_table_tensor=bt,
+        slot_mapping=slots,
         max_seq_len=max(common.max_seq_len, 1 if extra and spare else 0),
         causal=common.causal,
+        # The padding keeps the checks the batch passed valid: reuse them (no host work again).
+        host_checks=None if facts is None else facts.for_padded((qsl_cpu, seq_cpu, bt, slots)),
     )
 
 

@@ -192,11 +192,16 @@ class CUDAGraphRunner:
     # ---- capture -----------------------------------------------------------------------
 
     def _dummy_common(self, n: int) -> CommonAttentionMetadata:
-        """A decode batch of ``n`` requests of one token on block 0 that writes nothing."""
+        """A decode batch of ``n`` requests of one token on block 0 that writes nothing (slot -1)."""
         width = math.ceil(self.max_model_len / self.kv.block_size)
-        common = self.kv.common_metadata([1] * n, [0] * n, [[0]] * n, max_blocks_per_req=width)
-        common.slot_mapping.fill_(-1)
-        return common
+        dev = self.device
+        qsl, seq = torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), seq_lens_cpu=seq,
+            num_computed_tokens_cpu=torch.zeros(n, dtype=torch.int32), num_reqs=n, num_actual_tokens=n,
+            max_query_len=1, block_table_tensor=torch.zeros((n, width), dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev), max_seq_len=1,
+        )
 
     def capture(self) -> None:
         """Capture every size (largest first); idempotent."""

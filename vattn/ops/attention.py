@@ -8,14 +8,21 @@ never becomes a graph input and ``vattn.compile`` splits the graph at them.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 
-from vattn.backends.abstract import AttentionType
+from vattn.backends.abstract import AttentionMetadata, AttentionType, CommonAttentionMetadata
+from vattn.backends.batch_checks import cache_geometry, fail
+from vattn.backends.debug_checks import check_backend_metadata
 from vattn.config import get_current_vattn_config
 from vattn.forward_context import get_forward_context, is_forward_context_available
 from vattn.ops.library import register_op
 
-__all__ = ["maybe_calc_kv_scales", "unified_attention", "unified_attention_with_output"]
+__all__ = ["check_call", "maybe_calc_kv_scales", "unified_attention", "unified_attention_with_output"]
+
+_NO_CACHE = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 # ---- attention ------------------------------------------------------------------------
 
@@ -37,7 +44,7 @@ def _run_layer(
             return torch.zeros_like(query)
         output.zero_()
         return output
-    _check_cache(layer, query, key, kv_cache)
+    check_call(layer, query, key, value, kv_cache, attn_metadata, ctx.debug_checks)
     if output is None and layer.use_output:
         output = torch.empty_like(query)
     return layer.impl.forward(
@@ -45,10 +52,60 @@ def _run_layer(
     )
 
 
+def check_call(layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+               kv_cache: torch.Tensor, md: Any, debug: bool = False) -> None:
+    """Host checks of one layer's call before anything is written (no device sync): the
+    metadata's kind and device, q/k/v token counts against it, the bound cache (its shape once
+    per tensor), and the step's batch against that cache (``StepChecks``: once per step per
+    cache geometry, then a tuple comparison). ``debug``: metadata that ``PagedKVCache`` did not
+    build is checked on the device too (``VATTN_DEBUG_CHECKS``)."""
+    name = layer.layer_name
+    if not isinstance(md, AttentionMetadata):
+        hint = (" (the batch description: pass kv.build_metadata(common) instead)"
+                if isinstance(md, CommonAttentionMetadata) else "")
+        raise TypeError(
+            f"{name}: attn_metadata: expected the backend metadata kv.build_metadata(common) returns (an "
+            f"AttentionMetadata, or a dict of them by layer name), got {type(md).__name__}{hint}; set it with "
+            "vattn.set_forward_context(kv.build_metadata(common), cfg)."
+        )
+    if (key is None) != (value is None):
+        fail(f"{name}: key/value", "both tensors, or both None (K/V from the cache only)",
+             f"key={'None' if key is None else 'a tensor'}, value={'None' if value is None else 'a tensor'}",
+             "pass the new tokens' key and value together.")
+    n, slots = getattr(md, "num_actual_tokens", None), getattr(md, "slot_mapping", None)
+    t = query.shape[0]
+    cross = layer.attn_type == AttentionType.ENCODER_DECODER
+    if isinstance(slots, torch.Tensor) and isinstance(n, int):
+        rows = slots.shape[0]
+        if t < n or (not cross and t != rows):
+            fail(f"{name}: query", f"{n} tokens, the metadata's num_actual_tokens" + (
+                 f" (or {rows}: with its padding)" if rows != n and not cross else ""),
+                 f"{t} tokens", "pass q, k and v for exactly the tokens of the batch the metadata was built for "
+                 "(its query_lens sum to num_actual_tokens).")
+        if key is not None and not cross and key.shape[0] != t:
+            fail(f"{name}: key", f"{t} tokens, as many as query", f"{key.shape[0]}",
+                 "pass the same tokens' q, k and v.")
+        if slots.device != query.device:
+            fail(f"{name}: attn_metadata", f"tensors on the query's device {query.device}",
+                 f"slot_mapping on {slots.device}", "build the metadata with device= the model's device.")
+    if layer.attn_type in _NO_CACHE:
+        return
+    _check_cache(layer, query, key, kv_cache)
+    ref = getattr(layer, "_checked_cache", None)
+    if ref is None or ref() is not kv_cache:  # once per bound tensor
+        layer._cache_geometry = cache_geometry(
+            layer.attn_backend, kv_cache, block_size=layer.block_size, num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size, cache_dtype=layer.kv_cache_dtype, name=name)
+        layer._checked_cache = weakref.ref(kv_cache)
+    checks = md.checks
+    if checks is not None:
+        checks.check(*layer._cache_geometry, f"layer {name!r}'s KV cache")
+    elif debug:
+        check_backend_metadata(md, *layer._cache_geometry, name)
+
+
 def _check_cache(layer, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
     """Cheap host checks (no sync) that the layer's cache is bound and matches the inputs."""
-    if layer.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):  # no cache
-        return
     if kv_cache.numel() == 0:
         raise RuntimeError(
             f"{layer.layer_name}: KV cache not allocated/bound; call "
@@ -56,13 +113,19 @@ def _check_cache(layer, query: torch.Tensor, key: torch.Tensor | None, kv_cache:
         )
     if kv_cache.device != query.device:
         raise ValueError(
-            f"{layer.layer_name}: KV cache is on {kv_cache.device} but the query is on {query.device}; "
+            f"{layer.layer_name}: kv_cache is on {kv_cache.device} but the query is on {query.device}; "
             "allocate the cache on the model's device."
         )
-    if key is not None and kv_cache.dtype != key.dtype and not layer.kv_cache_dtype.startswith("fp8"):
+    fp8 = layer.kv_cache_dtype.startswith("fp8")
+    if key is not None and kv_cache.dtype != key.dtype and not fp8:
         raise TypeError(
-            f"{layer.layer_name}: KV cache dtype {kv_cache.dtype} does not match key dtype {key.dtype}; "
+            f"{layer.layer_name}: kv_cache dtype {kv_cache.dtype} does not match key dtype {key.dtype}; "
             "allocate the cache with dtype= the model dtype (vattn.allocate_kv_cache(..., dtype=...))."
+        )
+    if fp8 and kv_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        raise TypeError(
+            f"{layer.layer_name}: kv_cache dtype: expected an fp8 (or uint8) cache for cache_dtype="
+            f"{layer.kv_cache_dtype!r}, got {kv_cache.dtype}; allocate it with vattn.allocate_kv_cache."
         )
 
 

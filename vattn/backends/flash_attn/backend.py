@@ -31,13 +31,13 @@ class FlashAttentionBackend(AttentionBackend):
     runs_on_cpu: ClassVar[bool] = False
     min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
     feature_notes: ClassVar[dict[str, str]] = {
-        "alibi": "FA2 only",
-        "sinks": "flash-attn-4 only (learnable_sink)",
-        "fp8_kv": "FA3 on SM90 (e4m3), flash-attn-4 on SM100 (e4m3, e5m2); bfloat16 models only",
-        "min_compute_capability": "FA2 SM80+, FA3 SM90, flash-attn-4 SM90 and SM100/SM110",
-        "block_sizes": "FA2: multiples of 256; FA3 and flash-attn-4: any",
-        "head_sizes": "flash-attn-4 on SM100: up to 128, or 256",
-        "cuda_graphs": "FA2: UNIFORM_BATCH",
+        "alibi": "FA2",
+        "sinks": "flash-attn-4",
+        "fp8_kv": "FA3 on SM90, flash-attn-4 on SM100; bf16 models",
+        "min_compute_capability": "FA3: 9.0, flash-attn-4: 9.0/10.x",
+        "block_sizes": "FA2: multiples of 256",
+        "head_sizes": "flash-attn-4 on SM100: <= 128 or 256",
+        "cuda_graphs": "FA2: uniform batches",
     }
 
     @staticmethod

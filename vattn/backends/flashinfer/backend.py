@@ -42,10 +42,10 @@ class FlashInferBackend(AttentionBackend):
     runs_on_cpu: ClassVar[bool] = False
     min_compute_capability: ClassVar[tuple[int, int] | None] = (7, 5)
     feature_notes: ClassVar[dict[str, str]] = {
-        "sliding_window": "one window per KV-cache group (planned once for all its layers)",
-        "logits_soft_cap": "one soft cap (and scale) per KV-cache group (planned once for all its layers)",
-        "dtypes": "bfloat16 needs compute capability 8.0+ (SM75: float16 only)",
-        "fp8_kv": "fp8 / fp8_e4m3 need compute capability 8.9+ (the Triton KV store's e4m3 type)",
+        "sliding_window": "one per KV-cache group",
+        "logits_soft_cap": "one per KV-cache group",
+        "dtypes": "bf16: 8.0+",
+        "fp8_kv": "e4m3: 8.9+",
     }
 
     @staticmethod

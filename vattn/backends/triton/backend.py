@@ -51,9 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
     runs_on_cpu: ClassVar[bool] = False
     min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
     feature_notes: ClassVar[dict[str, str]] = {
-        "runs_on_cpu": "only under TRITON_INTERPRET=1 (the Triton interpreter: slow, for tests)",
-        "sliding_window": "decoder self-attention only (encoder_decoder cross-attention sees every encoder key)",
-        "fp8_kv": "fp8 / fp8_e4m3 need compute capability 8.9+ (Triton's e4m3 type); fp8_e5m2 from 8.0",
+        "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
+        "sliding_window": "not on cross-attention",
+        "fp8_kv": "e4m3: 8.9+",
     }
 
     @staticmethod

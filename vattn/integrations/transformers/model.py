@@ -1,0 +1,272 @@
+"""``attn_implementation="vattn"`` and the model adapter that runs a transformers causal LM as vattn's step.
+
+transformers calls an attention implementation as ``fn(module, query, key, value,
+attention_mask, scaling=..., dropout=..., **kwargs)`` with query (B, H, T, D) and key/value
+(B, Hk, T, D), and expects ((B, T, H, D), weights). With vattn's flattened step B is 1 and T is
+every token of the step: ``vattn_attention_forward`` hands (T, H, D) views to the
+``vattn.Attention`` attached to the module (``module.attn``), which writes K/V into the paged
+cache and attends with the step's metadata from ``vattn.set_forward_context``.
+
+No attention mask is built: transformers skips mask creation for an implementation that has no
+mask function registered (``AttentionMaskInterface``), so "vattn" registers none. The step
+therefore costs no O(T^2) mask and nothing data-dependent reaches ``torch.compile``; the batch
+structure lives in vattn's metadata. The per-call ``scaling`` / ``sliding_window`` / ``softcap``
+/ ``s_aux`` keyword arguments are ignored: each layer was built with them (``layers.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+import vattn
+from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
+from vattn.layer import Attention
+
+__all__ = ["ATTN_IMPLEMENTATION", "VattnCausalLM", "from_pretrained", "register", "vattn_attention_forward", "wrap"]
+
+logger = logging.getLogger("vattn")
+
+#: The ``attn_implementation`` name this module registers with transformers.
+ATTN_IMPLEMENTATION = "vattn"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract on vattn.
+
+    | tensor | shape |
+    | --- | --- |
+    | query | (1, H, T, D) |
+    | key, value | (1, Hk, T, D) |
+    | returns | ((1, T, H, D), None) |
+    """
+    layer = getattr(module, "attn", None)
+    if not torch.compiler.is_compiling():
+        if not isinstance(layer, Attention) or query.shape[0] != 1:
+            raise ValueError(
+                f"{type(module).__name__}: attn_implementation='vattn' runs one flattened step (batch 1) through "
+                f"the vattn.Attention at module.attn; got query {tuple(query.shape)} and attn "
+                f"{type(layer).__name__}. Build the model with vattn.integrations.transformers.wrap (or "
+                "from_pretrained) and call that, inside vattn.set_forward_context.")
+        if attention_mask is not None:
+            _warn_once("attn_implementation='vattn' got an attention mask from transformers: it is ignored (the "
+                       "step's metadata defines what each token attends to), but building it costs time.")
+    out = layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, H * D)
+    return out.view(1, -1, layer.num_heads, layer.head_size), None
+
+
+def register() -> None:
+    """Register ``attn_implementation="vattn"`` with transformers (idempotent; importing
+    ``vattn.integrations.transformers`` does it). No mask function is registered: see the module docstring."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, vattn_attention_forward)
+
+
+class VattnCausalLM(nn.Module):
+    """A transformers causal LM whose attention runs on vattn, as one flattened step of many requests.
+
+    | call | shapes |
+    | --- | --- |
+    | ``forward(input_ids, positions)`` | (T,) int64, (T,) int64 -> (T, hidden_size) final hidden states |
+    | ``compute_logits(hidden)`` | (N, hidden_size) -> (N, vocab_size), with the model's final logit soft cap / scale |
+
+    The batch structure reaches attention through ``vattn.set_forward_context``; no attention
+    mask and no transformers cache are used. Works with ``vattn.allocate_kv_cache``,
+    ``vattn.compile``, ``vattn.CUDAGraphRunner`` and ``examples/engine.py`` as the example model
+    does. Build it with ``wrap`` or ``from_pretrained``.
+
+    Attributes: ``hf_model`` (the transformers model, attention now "vattn"), ``config`` (its
+    config), ``vattn_config``, ``layer_specs`` (one ``LayerSpec`` per attention module).
+    """
+
+    def __init__(self, hf_model: nn.Module, vattn_config: vattn.VattnConfig, layer_specs: tuple[LayerSpec, ...],
+                 decoder_path: tuple[str, ...], head_name: str) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.config = hf_model.config
+        self.vattn_config = vattn_config
+        self.layer_specs = layer_specs
+        self._decoder_path = decoder_path  # attribute names from hf_model to its decoder (the base model)
+        self._head_name = head_name
+        text = _text_config(hf_model)
+        self._logit_scale = getattr(text, "logit_scale", None)  # Cohere: logits * scale
+        self._logits_scaling = getattr(text, "logits_scaling", None)  # Granite: logits / scaling
+        self._softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states."""
+        decoder = self.hf_model
+        for name in self._decoder_path:
+            decoder = getattr(decoder, name)
+        out = decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out[0][0]  # last_hidden_state (1, T, hidden) -> (T, hidden); a tuple where return_dict is off
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) logits in the model dtype, as the model's own forward computes them."""
+        logits = getattr(self.hf_model, self._head_name)(hidden)
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
+        if self._logits_scaling is not None:
+            logits = logits / self._logits_scaling
+        if self._softcap is not None:
+            logits = logits / self._softcap
+            logits = torch.tanh(logits)
+            logits = logits * self._softcap
+        return logits
+
+    def attention_layers(self) -> dict[str, Attention]:
+        """The ``vattn.Attention`` layers by layer name (``wrap``'s prefix + ``LayerSpec.prefix``), in model order."""
+        return {m.layer_name: m for m in self.hf_model.modules() if isinstance(m, Attention)}
+
+
+def _decoder_path(model: nn.Module) -> tuple[str, ...] | None:
+    """Attribute names leading from ``model`` to its decoder (``get_decoder()``, else the base model)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        decoder = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        return None
+    path = next((p for p, m in model.named_modules() if m is decoder), None)
+    return tuple(path.split(".")) if path else None
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
+def _set_attn_implementation(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(ATTN_IMPLEMENTATION)
+    else:
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    for _, module in modules:  # a sub-config the setter did not reach
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def _build_layers(specs: list[LayerSpec], vattn_config: vattn.VattnConfig, dtype: torch.dtype,
+                  device: torch.device, attn_backend: Any, prefix: str) -> list[Attention]:
+    """One ``vattn.Attention`` per spec, built in the model dtype on its device; on error none stays registered."""
+    layers: list[Attention] = []
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with vattn.set_current_vattn_config(vattn_config), torch.device(device):
+            for s in specs:
+                extra: dict[str, Any] = {} if s.sinks is None else {"sinks": s.sinks}
+                if attn_backend is not None:
+                    extra["attn_backend"] = attn_backend
+                layers.append(Attention(
+                    s.num_heads, s.head_size, s.scale, num_kv_heads=s.num_kv_heads,
+                    alibi_slopes=None if s.alibi_slopes is None else list(s.alibi_slopes),
+                    logits_soft_cap=s.logits_soft_cap, per_layer_sliding_window=s.sliding_window,
+                    prefix=prefix + s.prefix, **extra))
+    except Exception:
+        context = vattn_config.compilation.static_forward_context
+        for layer in layers:
+            context.pop(layer.layer_name, None)
+        raise
+    finally:
+        torch.set_default_dtype(old)
+    return layers
+
+
+def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any = None,
+         prefix: str = "") -> VattnCausalLM:
+    """Run a transformers causal LM (``*ForCausalLM``) on vattn; returns a ``VattnCausalLM``.
+
+    Changes ``model`` in place: every attention module gets a ``vattn.Attention`` at
+    ``module.attn`` (layer name ``prefix + "<module path>.attn"``, e.g. ``"model.layers.3.self_attn.attn"``)
+    built from the model's own config and modules (``layers.py``), its attention
+    implementation becomes "vattn", and it is put in eval mode. Then allocate the cache with
+    ``vattn.allocate_kv_cache(vattn_config, ...)``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` with an LM head, on its device and in its dtype.
+        vattn_config: the config the layers register into (block size, cache dtype, compilation).
+        attn_backend: force a vattn backend (class or name) for every layer; default: vattn's selector.
+        prefix: put before every layer name, e.g. ``"draft."`` for a second model in the same config.
+
+    Mixture-of-experts models compile (``vattn.compile``) only with an experts implementation
+    that does not loop over the experts a batch hits: on transformers 5 choose one with
+    ``model.set_experts_implementation("grouped_mm")`` (or ``"batched_mm"``) before wrapping.
+
+    Raises ``UnsupportedAttentionError`` (a ``NotImplementedError``) naming the module and the
+    reason for attention the adapter cannot run (cross-attention, MLA, non-causal, other layer
+    types), before anything is changed.
+    """
+    if not isinstance(vattn_config, vattn.VattnConfig):
+        raise TypeError(f"wrap: vattn_config must be a vattn.VattnConfig, got {type(vattn_config).__name__}.")
+    if isinstance(model, VattnCausalLM) or any(isinstance(m, Attention) for m in model.modules()):
+        raise ValueError(f"wrap: {type(model).__name__} already has vattn layers; wrap a model once.")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    head_name = next((n for n, m in model.named_children() if m is head), None)
+    decoder_path = _decoder_path(model)
+    if head is None or head_name is None or decoder_path is None:
+        raise TypeError(f"wrap: expected a transformers causal LM (*ForCausalLM, with an LM head), got "
+                        f"{type(model).__name__}; load it with transformers.AutoModelForCausalLM.")
+    register()
+    found = attention_modules(model)
+    if not found:
+        raise UnsupportedAttentionError(f"{type(model).__name__}: no attention modules (classes named *Attention) "
+                                        "found; the adapter runs transformers decoder LMs.")
+    specs = [layer_spec(path, module, _text_config(model)) for path, module in found]
+    taken = [path for path, module in found if hasattr(module, "attn")]
+    if taken:
+        raise ValueError(f"wrap: {taken[0]} already has an attribute 'attn'; the adapter attaches its layer there.")
+    param = next(model.parameters())
+    dtype = getattr(model, "dtype", param.dtype)
+    if not dtype.is_floating_point:
+        raise TypeError(f"wrap: the model dtype must be a floating dtype (the attention and KV-cache dtype), got "
+                        f"{dtype}; load the model in bfloat16, float16 or float32.")
+    layers = _build_layers(specs, vattn_config, dtype, param.device, attn_backend, prefix)
+    try:
+        _set_attn_implementation(model, found)
+    except Exception:
+        for layer in layers:
+            vattn_config.compilation.static_forward_context.pop(layer.layer_name, None)
+        raise
+    for (_, module), layer in zip(found, layers):
+        module.attn = layer
+    model.eval()
+    return VattnCausalLM(model, vattn_config, tuple(specs), decoder_path, head_name)
+
+
+def from_pretrained(path_or_model: str | nn.Module, vattn_config: vattn.VattnConfig, *,
+                    dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                    attn_backend: Any = None, **hf_kwargs: Any) -> VattnCausalLM:
+    """Load a checkpoint directory or hub id with ``transformers.AutoModelForCausalLM`` (or take a
+    model), move it to ``device`` / ``dtype``, and ``wrap`` it. ``hf_kwargs`` go to transformers'
+    ``from_pretrained`` (e.g. ``revision``, ``trust_remote_code``)."""
+    if isinstance(path_or_model, nn.Module):
+        model = path_or_model
+    else:
+        import transformers
+
+        register()
+        kwargs = dict(hf_kwargs)
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path_or_model, **kwargs)
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    return wrap(model, vattn_config, attn_backend=attn_backend)
