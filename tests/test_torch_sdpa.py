@@ -277,6 +277,39 @@ def test_nan_in_unused_cache_slots_does_not_leak() -> None:
     check(batch)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("contexts, features", [
+    ((37,), {}),                                 # one request: its exact keys, no mask
+    ((37,), {"sliding_window": 7}),
+    ((5, 63, 16, 1), {}),                         # several: whole blocks, tails masked
+    ((5, 63, 16, 1), {"sliding_window": 9}),
+])
+def test_decode_only_batches(layout: str, contexts: tuple[int, ...], features: dict) -> None:
+    """Decode-only steps take the whole-block path (``TorchSDPAImpl._decode``): the same output
+    as the reference, with every slot no request owns full of NaN, GQA (8 / 2 heads)."""
+    spec = BatchSpec(context_lens=contexts, query_lens=(1,) * len(contexts), num_heads=8, num_kv_heads=2,
+                     block_size=8, layout=layout, extra_blocks=2)
+    batch = make_random_batch(spec, seed=5)
+    owned = torch.zeros(batch.kv_cache.shape[1] * spec.block_size, dtype=torch.bool)
+    for table, seq_len in zip(batch.block_tables, spec.seq_lens):
+        for pos in range(seq_len):
+            owned[table[pos // 8] * 8 + pos % 8] = True
+    batch.kv_cache[:, (~owned).view(-1, 8)] = float("nan")
+    md_used = []
+    real_decode = TorchSDPAImpl._decode
+
+    def spy(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        md_used.append(True)
+        return real_decode(self, *args, **kwargs)
+
+    TorchSDPAImpl._decode = spy
+    try:
+        check(batch, **features)
+    finally:
+        TorchSDPAImpl._decode = real_decode
+    assert md_used, "the decode-only batch did not take the decode path"
+
+
 def test_through_vattn_attention_layer() -> None:
     """The real layer and the opaque op pass scale, window, sinks and fp8 scales through."""
     import vattn

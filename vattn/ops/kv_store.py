@@ -56,17 +56,20 @@ def _torch_store_kv(
 ) -> None:
     n = min(key.shape[0], slot_mapping.shape[0])
     slots = slot_mapping[:n].long()
+    k, v = key[:n], value[:n]
     valid = slots >= 0  # boolean indexing: syncs on CUDA, fine on CPU
-    slots = slots[valid]
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k, v = key[:n][valid], value[:n][valid]
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
     if key_cache.dtype != k.dtype and key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         k = quantize_to_cache(k, k_scale, key_cache.dtype)
         v = quantize_to_cache(v, v_scale, value_cache.dtype)
     with torch.no_grad():  # the cache never carries autograd history
-        key_cache[blocks, offsets] = k.to(key_cache.dtype)
-        value_cache[blocks, offsets] = v.to(value_cache.dtype)
+        for cache, x in ((key_cache, k), (value_cache, v)):
+            if cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.element_size() > 1:
+                # NHD: slots are rows of a flat view (index_copy_ has no fp8 kernel on CPU)
+                cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+            else:
+                cache[slots // cache.shape[1], slots % cache.shape[1]] = x.to(cache.dtype)
 
 
 def store_kv(

@@ -1,207 +1,23 @@
-"""TORCH_SDPA: the reference backend, plain PyTorch on CPU and CUDA.
-
-One ``forward`` serves a mixed batch of decodes and (chunked) prefills with prior context.
-The builder turns the batch into padded index tensors once per step (host work); the
-forward then only runs device ops: store the new K/V, gather every request's K/V pages
-into a padded ``(B, max_seq_len, Hk, D)`` tensor, and attend in float32 with a mask.
-
-Features: GQA/MQA, causal with offset, sliding window, logits soft cap, ALiBi, sinks,
-encoder / encoder-only (non-causal over the given K/V, no cache), encoder-decoder
-(non-causal over encoder K/V cached once), fp8 KV caches (dequantized with the layer's
-``_k_scale`` / ``_v_scale``). It is written for clarity, not speed: memory grows with
-``B * max_query_len * max_seq_len``.
-"""
+"""``TorchSDPAImpl``: store the new K/V, gather the requests' K/V, attend in float32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from vattn.backends.abstract import (
-    AttentionBackend,
-    AttentionCGSupport,
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionType,
-)
-from vattn.backends.utils import (
-    check_kv_cache_shape_args,
-    paged_kv_stride_order,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.backends.torch_sdpa.metadata import TorchSDPAMetadata
 from vattn.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv
 
 if TYPE_CHECKING:
     from vattn.layer import Attention
 
-__all__ = ["TorchSDPABackend", "TorchSDPAImpl", "TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]
+__all__ = ["TorchSDPAImpl"]
 
 _ENCODER_SELF = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-
-
-class TorchSDPABackend(AttentionBackend):
-    """Reference backend: any head size, fp16/bf16/fp32, every KV-cache dtype and feature, CPU and CUDA."""
-
-    accept_output_buffer: ClassVar[bool] = True
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
-    supports_sink: ClassVar[bool] = True
-    supports_sliding_window: ClassVar[bool] = True
-    supports_logits_soft_cap: ClassVar[bool] = True
-    supports_alibi: ClassVar[bool] = True
-    supported_attn_types: ClassVar[tuple[str, ...]] = AttentionType.ALL
-    runs_on_cpu: ClassVar[bool] = True
-    min_compute_capability: ClassVar[tuple[int, int] | None] = None
-    feature_notes: ClassVar[dict[str, str]] = {
-        "sliding_window": "not on cross-attention",
-        "alibi": "not on cross-attention",
-        "fp8_kv": "e4m3 on CUDA: 8.9+",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "TORCH_SDPA"
-
-    @staticmethod
-    def get_impl_cls() -> type["TorchSDPAImpl"]:
-        return TorchSDPAImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type["TorchSDPAMetadata"]:
-        return TorchSDPAMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type["TorchSDPAMetadataBuilder"]:
-        return TorchSDPAMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        """Identity for the NHD layout, ``(0, 1, 3, 2, 4)`` for HND (``get_kv_cache_layout()``)."""
-        return paged_kv_stride_order()
-
-
-@dataclass
-class TorchSDPAMetadata(AttentionMetadata):
-    """One step's metadata. B = num_reqs, Lq = max_query_len, Lk = max_seq_len.
-
-    | field | shape / type | meaning |
-    | --- | --- | --- |
-    | num_actual_tokens | int | real tokens (rows of output written) |
-    | slot_mapping | (T,) int64 | where the new K/V rows go; < 0 skipped |
-    | query_index | (B, Lq) int64 | token row of query i of request b (0 where padding) |
-    | query_pos | (B, Lq) int64 | absolute position of that query (seq_len - query_len + i) |
-    | key_valid | (B, Lk) bool | key position j < seq_len of request b |
-    | key_block, key_offset | (B, Lk) int64, or None | cache block / offset of key j (0 where invalid); None when the block table cannot cover Lk (encoder-only batches) |
-    | encoder_key_valid | (B, Lq) bool | for encoder self-attention: key j < query_len |
-    | output_index | (num_actual_tokens,) int64 | row ``b * Lq + i`` of each token in the padded output |
-    | causal | bool | the batch's causal flag |
-    """
-
-    num_actual_tokens: int
-    num_reqs: int
-    max_query_len: int
-    max_seq_len: int
-    num_decodes: int
-    num_decode_tokens: int
-    num_prefills: int
-    num_prefill_tokens: int
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    query_index: torch.Tensor
-    query_pos: torch.Tensor
-    key_valid: torch.Tensor
-    key_block: torch.Tensor | None
-    key_offset: torch.Tensor | None
-    encoder_key_valid: torch.Tensor
-    output_index: torch.Tensor
-    causal: bool = True
-
-
-class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
-    """Builds ``TorchSDPAMetadata``. No full CUDA graphs: the forward's shapes follow the batch."""
-
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> TorchSDPAMetadata:
-        cm = common_attn_metadata
-        B, Lq, Lk = cm.num_reqs, cm.max_query_len, cm.max_seq_len
-        dev = cm.query_start_loc.device
-        qsl = cm.query_start_loc[: B + 1].long()
-        seq_lens = cm.seq_lens[:B].long()
-        qlens = qsl[1:] - qsl[:-1]
-
-        i = torch.arange(Lq, device=dev)
-        query_valid = i[None, :] < qlens[:, None]
-        query_index = torch.where(query_valid, qsl[:-1, None] + i[None, :], 0)
-        query_pos = (seq_lens - qlens)[:, None] + i[None, :]
-
-        j = torch.arange(Lk, device=dev)
-        key_valid = j[None, :] < seq_lens[:, None]
-        block_size = self.kv_cache_spec.block_size
-        bt = cm.block_table_tensor
-        n_blocks = -(-Lk // block_size)
-        key_block = key_offset = None
-        if bt.shape[1] >= n_blocks:
-            cols = (j // block_size).expand(B, Lk)
-            key_block = torch.where(key_valid, bt[:B].long().gather(1, cols), 0)
-            key_offset = torch.where(key_valid, j % block_size, 0)
-
-        # Token t belongs to request r with qsl[r] <= t < qsl[r + 1]; its padded row is r * Lq + (t - qsl[r]).
-        t = torch.arange(cm.num_actual_tokens, device=dev)
-        r = torch.searchsorted(qsl[1:], t, right=True)
-        output_index = r * Lq + (t - qsl[r])
-
-        qlens_cpu = cm.query_lens_cpu[:B]
-        thr = self.reorder_batch_threshold or 1
-        is_decode = qlens_cpu <= thr
-        num_decodes = int(is_decode.sum())
-        num_decode_tokens = int(qlens_cpu[is_decode].sum())
-        return TorchSDPAMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            num_reqs=B,
-            max_query_len=Lq,
-            max_seq_len=Lk,
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decode_tokens,
-            num_prefills=B - num_decodes,
-            num_prefill_tokens=cm.num_actual_tokens - num_decode_tokens,
-            slot_mapping=cm.slot_mapping,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            block_table=bt,
-            query_index=query_index,
-            query_pos=query_pos,
-            key_valid=key_valid,
-            key_block=key_block,
-            key_offset=key_offset,
-            encoder_key_valid=query_valid,
-            output_index=output_index,
-            causal=cm.causal,
-        )
 
 
 class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
@@ -245,6 +61,10 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
             )
         self.window = sliding_window
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
+        # Decode-only batches of plain causal attention go through ``_decode`` (SDPA's own GQA,
+        # whole blocks gathered, no padded query batch).
+        self._plain_decode = (attn_type == AttentionType.DECODER and alibi_slopes is None
+                              and logits_soft_cap is None and sinks is None)
 
     def _alibi(self, device: torch.device) -> torch.Tensor:
         # Copied to the device once (first forward), not on every step.
@@ -298,6 +118,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
                     "block_table_tensor has too few columns for max_seq_len "
                     f"({md.max_seq_len}); give each request ceil(seq_len / block_size) block ids."
                 )
+            if md.decode_blocks is not None and self._plain_decode:
+                return self._decode(query, kv_cache, md, layer, output)
             k = self._read_cache(key_cache, md, layer._k_scale)
             v = self._read_cache(value_cache, md, layer._v_scale)
             key_valid = md.key_valid
@@ -307,6 +129,44 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         B, Lq = md.query_index.shape
         output[:n] = out.reshape(B * Lq, self.num_heads, self.head_size)[md.output_index].to(output.dtype)
         return output
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata, layer: "Attention",
+                output: torch.Tensor) -> torch.Tensor:
+        """A decode-only batch: query (B, H, D), one token per request at position seq_len - 1.
+
+        Each request's blocks are gathered whole, (B, Hk, Lb, D) with Lb = blocks * block_size;
+        keys past seq_len are masked (and zeroed: stale slots may hold anything). One request
+        without a window reads exactly its seq_len keys: no mask at all."""
+        assert md.decode_blocks is not None and md.decode_key_valid is not None
+        B = md.decode_blocks.shape[0]
+        k, v = self._read_blocks(kv_cache, md.decode_blocks, layer)
+        q = query[:B].float().unsqueeze(2)  # (B, H, 1, D)
+        mask = None
+        if B == 1 and self.window is None:
+            k, v = k[:, :, : md.max_seq_len], v[:, :, : md.max_seq_len]
+        else:
+            valid = md.decode_key_valid  # (B, 1, 1, Lb)
+            k, v = torch.where(valid.transpose(-1, -2), k, 0.0), torch.where(valid.transpose(-1, -2), v, 0.0)
+            mask = valid
+            if self.window is not None:
+                pos = torch.arange(valid.shape[-1], device=q.device)
+                last = md.seq_lens[:B].long()[:, None, None, None] - 1
+                mask = mask & (pos > last - self.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        output[:B] = out.squeeze(2).to(output.dtype)
+        return output
+
+    def _read_blocks(self, kv_cache: torch.Tensor, blocks: torch.Tensor,
+                     layer: "Attention") -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values, (B, Hk, Lb, D) float32 each: every request's whole blocks
+        (``blocks`` (B, nb)) of the (2, num_blocks, block_size, Hk, D) cache, in one copy."""
+        kv = kv_cache[:, blocks]  # (2, B, nb, block_size, Hk, D)
+        kv = kv.reshape(2, kv.shape[1], -1, kv.shape[4], kv.shape[5]).transpose(2, 3).float()
+        k, v = kv.unbind(0)
+        if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            k, v = k * layer._k_scale.float(), v * layer._v_scale.float()
+        return k, v
 
     def _read_cache(self, cache: torch.Tensor, md: TorchSDPAMetadata, scale: torch.Tensor) -> torch.Tensor:
         """(B, Lk, Hk, D) float32 of each request's keys (or values); invalid positions zero."""

@@ -1,0 +1,136 @@
+"""TORCH_SDPA's per-step metadata and its builder (padded index tensors, built once per step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vattn.backends.abstract import (
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+__all__ = ["TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]
+
+
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    """One step's metadata. B = num_reqs, Lq = max_query_len, Lk = max_seq_len.
+
+    | field | shape / type | meaning |
+    | --- | --- | --- |
+    | num_actual_tokens | int | real tokens (rows of output written) |
+    | slot_mapping | (T,) int64 | where the new K/V rows go; < 0 skipped |
+    | query_index | (B, Lq) int64 | token row of query i of request b (0 where padding) |
+    | query_pos | (B, Lq) int64 | absolute position of that query (seq_len - query_len + i) |
+    | key_valid | (B, Lk) bool | key position j < seq_len of request b |
+    | key_block, key_offset | (B, Lk) int64, or None | cache block / offset of key j (0 where invalid); None when the block table cannot cover Lk (encoder-only batches) |
+    | encoder_key_valid | (B, Lq) bool | for encoder self-attention: key j < query_len |
+    | output_index | (num_actual_tokens,) int64 | row ``b * Lq + i`` of each token in the padded output |
+    | causal | bool | the batch's causal flag |
+    | decode_blocks | (B, ceil(Lk / block_size)) int64, or None | a decode-only batch (one token per request): each request's blocks, which the decode path gathers whole |
+    | decode_key_valid | (B, 1, 1, Lb) bool, or None | key j < seq_len in those blocks (Lb = their tokens) |
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_index: torch.Tensor
+    query_pos: torch.Tensor
+    key_valid: torch.Tensor
+    key_block: torch.Tensor | None
+    key_offset: torch.Tensor | None
+    encoder_key_valid: torch.Tensor
+    output_index: torch.Tensor
+    causal: bool = True
+    decode_blocks: torch.Tensor | None = None
+    decode_key_valid: torch.Tensor | None = None
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
+    """Builds ``TorchSDPAMetadata``. No full CUDA graphs: the forward's shapes follow the batch."""
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TorchSDPAMetadata:
+        cm = common_attn_metadata
+        B, Lq, Lk = cm.num_reqs, cm.max_query_len, cm.max_seq_len
+        dev = cm.query_start_loc.device
+        qsl = cm.query_start_loc[: B + 1].long()
+        seq_lens = cm.seq_lens[:B].long()
+        qlens = qsl[1:] - qsl[:-1]
+
+        i = torch.arange(Lq, device=dev)
+        query_valid = i[None, :] < qlens[:, None]
+        query_index = torch.where(query_valid, qsl[:-1, None] + i[None, :], 0)
+        query_pos = (seq_lens - qlens)[:, None] + i[None, :]
+
+        j = torch.arange(Lk, device=dev)
+        key_valid = j[None, :] < seq_lens[:, None]
+        block_size = self.kv_cache_spec.block_size
+        bt = cm.block_table_tensor
+        n_blocks = -(-Lk // block_size)
+        key_block = key_offset = None
+        if bt.shape[1] >= n_blocks:
+            cols = (j // block_size).expand(B, Lk)
+            key_block = torch.where(key_valid, bt[:B].long().gather(1, cols), 0)
+            key_offset = torch.where(key_valid, j % block_size, 0)
+
+        # Token t belongs to request r with qsl[r] <= t < qsl[r + 1]; its padded row is r * Lq + (t - qsl[r]).
+        t = torch.arange(cm.num_actual_tokens, device=dev)
+        r = torch.searchsorted(qsl[1:], t, right=True)
+        output_index = r * Lq + (t - qsl[r])
+
+        decode_blocks = decode_key_valid = None
+        if Lq == 1 and cm.num_actual_tokens == B and B and bt.shape[1] >= n_blocks:
+            decode_blocks = bt[:B, :n_blocks].long()
+            lb = torch.arange(n_blocks * block_size, device=dev)
+            decode_key_valid = (lb[None, :] < seq_lens[:, None])[:, None, None, :]
+
+        qlens_cpu = cm.query_lens_cpu[:B]
+        thr = self.reorder_batch_threshold or 1
+        is_decode = qlens_cpu <= thr
+        num_decodes = int(is_decode.sum())
+        num_decode_tokens = int(qlens_cpu[is_decode].sum())
+        return TorchSDPAMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=B,
+            max_query_len=Lq,
+            max_seq_len=Lk,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=B - num_decodes,
+            num_prefill_tokens=cm.num_actual_tokens - num_decode_tokens,
+            slot_mapping=cm.slot_mapping,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=bt,
+            query_index=query_index,
+            query_pos=query_pos,
+            key_valid=key_valid,
+            key_block=key_block,
+            key_offset=key_offset,
+            encoder_key_valid=query_valid,
+            output_index=output_index,
+            causal=cm.causal,
+            decode_blocks=decode_blocks,
+            decode_key_valid=decode_key_valid,
+        )
