@@ -82,6 +82,7 @@ _KEY_TABLES: dict[str, KeyTable] = {
     "fp8": KeyTable(("backend", "variant", "ms_graph", "ms_launch", "kernels_per_layer", "quant_kernels")),
     "hf": KeyTable(("model", "impl", "batch", "ms_per_step", "host_ms", "x_floor", "speedup_vs_hf_static",
                     "speedup_vs_hf_eager", "x_example")),
+    "fuzz": KeyTable(("backend", "configs", "batches", "failures", "rejected", "graph_batches", "graph_failures")),
     "gemv-chain": KeyTable(("part", "provider", "us_per_layer", "us", "tbps")),
     "kernels": KeyTable(("phase", "provider", "batch", "seq_len", "kv_dtype", "ms", "tbps", "tflops")),
     "layer_overhead": KeyTable(("backend", "case", "mode", "vattn_ms", "bare_ms", "bare_kv_ms", "ratio")),
@@ -361,7 +362,7 @@ def render_kind(kind: str, results: Sequence[Mapping[str, Any]], link_dir: Path,
     summary = r["summary"]
     for key in _NOTE_KEYS:
         if isinstance(summary.get(key), str):
-            lines += [f"{key.capitalize()}: {clip(summary[key], 300)}", ""]
+            lines += [f"{key.capitalize()}: {clip(summary[key], 180)}", ""]
     targets = _targets(summary.get("targets"))
     if targets:
         lines += [f"Targets: {clip(targets, 300)}", ""]

@@ -179,14 +179,15 @@ class Scheduler:
     def schedule(self, step: int) -> list[tuple[Request, int]]:
         """``[(request, num_new_tokens)]`` for this step, decodes (1 token) first."""
         budget = self.max_num_batched_tokens
-        queue = [r for r in self.running if r.num_remaining == 1] + [
-            r for r in self.running if r.num_remaining > 1]
+        remaining = {r.req_id: r.num_remaining for r in self.running}  # read once: a property per call
+        queue = [r for r in self.running if remaining[r.req_id] == 1] + [
+            r for r in self.running if remaining[r.req_id] > 1]
         out: list[tuple[Request, int]] = []
         preempted = False
         i = 0
         while i < len(queue) and budget > 0:
             req = queue[i]
-            n = min(req.num_remaining, budget)
+            n = min(remaining[req.req_id], budget)
             while not self._grow(req, n):
                 victim = queue.pop()  # the lowest-priority request not scheduled yet (maybe req)
                 self._preempt(victim)

@@ -72,6 +72,9 @@ class PagedKVCache:
         self.groups = groups
         self.num_blocks = num_blocks
         self.block_size = block_size
+        #: Where the cache lives (None: no layer has a cache tensor, e.g. encoder-only models).
+        self.device: torch.device | None = next(iter(tensors.values())).device if tensors else None
+        self._where = f"this PagedKVCache ({num_blocks} blocks of {block_size})"
 
     def check(self, common: CommonAttentionMetadata) -> StepChecks:
         """Check ``common`` against this cache before anything runs on it: on the host (block size,
@@ -89,13 +92,13 @@ class PagedKVCache:
         checks = common.host_checks
         if checks is None or not checks.describes(common):  # fields replaced after construction
             checks = common.host_checks = check_common_metadata(common)
-        device = next(iter(self.tensors.values())).device if self.tensors else checks.device
+        device = self.device or checks.device
         if checks.device != device:
             raise ValueError(
                 f"common: expected metadata on the KV cache's device {device}, got tensors on {checks.device}; "
                 "build it with kv.common_metadata(...) (the cache's device) or device=kv's device."
             )
-        checks.check(self.block_size, self.num_blocks, f"this PagedKVCache ({self.num_blocks} blocks of {self.block_size})")
+        checks.check(self.block_size, self.num_blocks, self._where)
         if envs.VATTN_DEBUG_CHECKS and not checks.device_checked:
             check_common_on_device(common, self.block_size, self.num_blocks)
             checks.device_checked = True
@@ -134,7 +137,7 @@ class PagedKVCache:
         **kwargs: Any,
     ) -> CommonAttentionMetadata:
         """``build_common_attn_metadata`` with this cache's block size, device and block-id bound."""
-        device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
+        device = self.device or torch.device("cpu")
         kwargs.setdefault("device", device)
         return build_common_attn_metadata(
             query_lens, num_computed_tokens, block_tables, self.block_size, num_blocks=self.num_blocks, **kwargs

@@ -5,6 +5,7 @@ a caller would otherwise write, vectorized on the host, with one host-to-device 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -108,10 +109,11 @@ def _block_table_array(
         w = max(max(lens, default=1), 1)
         if b and all(n == w for n in lens):  # every row full: one conversion, no per-row copies
             arr = _int_kind("block_tables", np.array(lists).reshape(b, w), fix)
-        else:
+        else:  # ragged rows: one conversion of all ids, placed row-major into the padded table
+            rows = np.array(lens, dtype=np.int64)
+            flat = _int_kind("block_tables", np.array(list(itertools.chain.from_iterable(lists))), fix)
             arr = np.zeros((b, w), dtype=np.int64)
-            for r in range(b):
-                arr[r, : lens[r]] = _int_kind("block_tables", np.asarray(lists[r]), fix)
+            arr[np.arange(w)[None, :] < rows[:, None]] = flat
         rows = np.array(lens, dtype=np.int64)
     if width is not None:
         if (rows > width).any() and not isinstance(block_tables, (torch.Tensor, np.ndarray)):
