@@ -11,6 +11,7 @@ warm-up (a prefill and a 1-token decode). The ``cuda`` tests do the same in bf16
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 import sys
@@ -67,13 +68,23 @@ def reference(family: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     hf = hf_model(family)
     tokens, logits = [], []
     for p in prompts():
-        ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                          min_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-        tokens.append(out.sequences[0, len(p):].tolist())
-        logits.append(torch.cat(out.logits).float())
+        t, lg = hf_greedy(hf, p)
+        tokens.append(t)
+        logits.append(lg)
     return tokens, logits
+
+
+def hf_greedy(hf: Any, prompt: list[int], device: str = "cpu") -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ``generate`` of ``MAX_TOKENS`` tokens for one prompt: (tokens, (MAX_TOKENS, V)
+    float32 logits on the CPU). End of sequence is switched off, as the engine (which stops by count)
+    has none: with ``min_new_tokens`` instead, transformers would mask the EOS logit that the raw
+    logits it returns still show, and pick another token wherever EOS is the argmax."""
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id = None
+    ids = torch.tensor([prompt], device=device)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                      max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().cpu()
 
 
 def wrapped(family: str, compilation: vattn.CompilationConfig | None = None,
@@ -364,11 +375,9 @@ def test_bf16_cudagraphs_match_eager_and_transformers_cuda(family: str, gemv: bo
     hf = random_model(tiny_config(family, **GPU_SHAPE), dtype=torch.bfloat16, device="cuda", seed=WEIGHT_SEED)
     ref_tokens, ref_logits = [], []
     for p in prompts():
-        ids = torch.tensor([p], device="cuda")
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                          min_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        ref_tokens.append(out.sequences[0, len(p):].tolist())
-        ref_logits.append(torch.cat(out.logits).float().cpu())
+        tokens, logits = hf_greedy(hf, p, "cuda")
+        ref_tokens.append(tokens)
+        ref_logits.append(logits)
     compilation = vattn.CompilationConfig()
     if gemv:
         from examples.gemv import OneTokenGemv
