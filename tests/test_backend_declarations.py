@@ -1,9 +1,10 @@
 """Each backend's declarations (``AttentionBackend``'s ClassVars) say what its impl really does.
 
-For TORCH_SDPA, TRITON_ATTN, FLASHINFER and FLASH_ATTN: every feature declared unsupported is
-refused by the impl's constructor (``NotImplementedError`` naming the argument, what was expected,
-what arrived, and backends that do declare the feature), every feature declared supported is
-accepted; TORCH_SDPA and TRITON_ATTN (under ``TRITON_INTERPRET=1``) also through ``vattn.Attention``.
+For TORCH_SDPA, TRITON_ATTN, FLASHINFER, FLASH_ATTN, FLEX_ATTENTION and TREE_ATTN: every feature
+declared unsupported is refused by the impl's constructor (``NotImplementedError`` naming the
+argument, what was expected, what arrived, and backends that do declare the feature), every feature
+declared supported is accepted; TORCH_SDPA, TRITON_ATTN (under ``TRITON_INTERPRET=1``) and
+FLEX_ATTENTION also through ``vattn.Attention``.
 None of this needs a GPU or the optional libraries; the GPU-marked test at the end checks the
 FLASH_ATTN qualifiers that depend on the installed interface.
 """
@@ -20,7 +21,7 @@ import vattn
 from vattn.backends.abstract import AttentionBackend, AttentionType
 from vattn.backends.registry import AttentionBackendEnum
 
-BACKENDS = ("TORCH_SDPA", "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN")
+BACKENDS = ("TORCH_SDPA", "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION", "TREE_ATTN")
 H, HK, D = 4, 2, 32
 #: Feature -> (the declaration, the impl keyword arguments that use it).
 FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -87,7 +88,8 @@ def test_impl_constructor_follows_the_declarations(name: str, feature: str, attn
         check_refusal(e.value, cls, feature, attn_type, next(iter(kwargs)))
 
 
-@pytest.mark.parametrize("name, feature, attn_type", [c for c in CASES if c[0] in ("TORCH_SDPA", "TRITON_ATTN")])
+@pytest.mark.parametrize("name, feature, attn_type", [c for c in CASES if c[0] in ("TORCH_SDPA", "TRITON_ATTN",
+                                                                                    "FLEX_ATTENTION")])
 def test_attention_layer_follows_the_declarations(monkeypatch: pytest.MonkeyPatch, name: str, feature: str,
                                                   attn_type: str | None) -> None:
     if name == "TRITON_ATTN":
@@ -140,7 +142,7 @@ def _on_gpu(monkeypatch: pytest.MonkeyPatch, cls: type[AttentionBackend], cap: t
     monkeypatch.setattr(cls, "is_available", classmethod(lambda c: (True, "")))
 
 
-@pytest.mark.parametrize("name", ("TORCH_SDPA", "TRITON_ATTN", "FLASHINFER"))
+@pytest.mark.parametrize("name", ("TORCH_SDPA", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"))
 def test_min_compute_capability_is_enforced(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     cls = backend(name)
     need = cls.min_compute_capability

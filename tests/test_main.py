@@ -60,7 +60,7 @@ def expected_status(member: AttentionBackendEnum) -> str:
     """The status every member must have on a CPU without TRITON_INTERPRET (this version's backends)."""
     if not member.is_implemented():
         return "not_implemented"
-    return "available" if member is B.TORCH_SDPA else "unavailable"
+    return "available" if member in (B.TORCH_SDPA, B.FLEX_ATTENTION, B.TREE_ATTN) else "unavailable"
 
 
 def text_statuses(text: str) -> dict[str, str]:
@@ -84,7 +84,7 @@ def test_text_report_on_cpu():
         assert re.search(rf"^  {label} +\S", out, re.M), label
     assert "CPU only: no CUDA GPU visible" in out
     assert text_statuses(out) == {m.name: STATUS_WORDS[expected_status(m)] for m in B}
-    assert re.search(rf"^  FLEX_ATTENTION +not implemented in {vattn_version()}$", out, re.M)
+    assert re.search(rf"^  CPU_ATTN +not implemented in {vattn_version()}$", out, re.M)
     assert re.search(r"^  FLASHINFER +unavailable here: .*GPU", out, re.M)
     # An available backend says what it serves.
     after = out.split("\n  TORCH_SDPA ")[1].splitlines()[1:]
@@ -116,8 +116,10 @@ def test_json_report_on_cpu():
     assert sdpa["serves"]["kv_cache_dtypes"] == list(TorchSDPABackend.supported_kv_cache_dtypes)
     assert sdpa["serves"]["sinks"] is TorchSDPABackend.supports_sink
     assert sdpa["serves"]["notes"] == dict(TorchSDPABackend.feature_notes)
+    cpu_attn = next(e for e in report["backends"] if e["name"] == "CPU_ATTN")
+    assert cpu_attn["reason"] == f"not implemented in {vattn_version()}" and cpu_attn["serves"] is None
     flex = next(e for e in report["backends"] if e["name"] == "FLEX_ATTENTION")
-    assert flex["reason"] == f"not implemented in {vattn_version()}" and flex["serves"] is None
+    assert flex["status"] == "available" and flex["serves"]["cuda_graphs"] == "UNIFORM_SINGLE_TOKEN_DECODE"
     fi = next(e for e in report["backends"] if e["name"] == "FLASHINFER")
     assert "GPU" in fi["reason"] and fi["serves"]["head_sizes"]  # declared even where it cannot run
     sel = report["default_selection"]
@@ -131,11 +133,11 @@ def test_json_report_on_cpu():
 
 
 def test_report_with_forced_backends_and_set_variables():
-    report = json.loads(run_vattn("--json", env={"VATTN_ATTENTION_BACKEND": "FLEX_ATTENTION",
+    report = json.loads(run_vattn("--json", env={"VATTN_ATTENTION_BACKEND": "CPU_ATTN",
                                                  "VATTN_DEBUG_CHECKS": "1"}).stdout)
     sel = report["default_selection"]
     assert sel["selected"] is None and sel["forced_by"] == "VATTN_ATTENTION_BACKEND"
-    assert "FLEX_ATTENTION (forced by VATTN_ATTENTION_BACKEND='FLEX_ATTENTION') is not implemented" in sel["error"]
+    assert "CPU_ATTN (forced by VATTN_ATTENTION_BACKEND='CPU_ATTN') is not implemented" in sel["error"]
     env = {r["name"]: r for r in report["environment"]}
     assert env["VATTN_DEBUG_CHECKS"] == {"name": "VATTN_DEBUG_CHECKS", "set": True, "raw": "1", "value": True}
     assert env["VATTN_ATTENTION_BACKEND"]["set"] and not env["VATTN_KV_CACHE_LAYOUT"]["set"]
@@ -270,7 +272,7 @@ def test_support_matrix_is_declarations_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     assert info.support_matrix_markdown() == expected
-    assert expected.endswith("\n") and "| TORCH_SDPA |" in expected and "FLEX_ATTENTION" not in expected
+    assert expected.endswith("\n") and "| TORCH_SDPA |" in expected and "CPU_ATTN" not in expected
 
 
 def test_support_matrix_shows_each_implemented_backend_as_declared():
@@ -286,3 +288,21 @@ def test_support_matrix_shows_each_implemented_backend_as_declared():
         assert cells[6].startswith("yes" if cls.supports_sliding_window else "no")
         for key, note in cls.feature_notes.items():
             assert note.replace("|", "\\|") in table, (member.name, key)
+
+
+def test_mla_backends_and_selection_in_the_report():
+    """FLASHMLA, FLASHMLA_SPARSE and CUTLASS_MLA say which kernels vattn cannot install; an MLA
+    layer's selection is reported beside the default layer's (TRITON_MLA under the interpreter)."""
+    out = run_vattn().stdout
+    lines = {m.group(1): m.group(2) for m in re.finditer(r"^  ([A-Z_]+MLA[A-Z_]*) +unavailable here: (.*)$", out, re.M)}
+    assert "flash_mla" in lines["FLASHMLA"] and "cannot install" in lines["FLASHMLA"]
+    assert "flash_mla" in lines["FLASHMLA_SPARSE"] and "indexer" in lines["FLASHMLA_SPARSE"]
+    assert "vllm._C" in lines["CUTLASS_MLA"] and "cannot install" in lines["CUTLASS_MLA"]
+    assert "GPU" in lines["FLASHINFER_MLA"] and "GPU" in lines["FLASH_ATTN_MLA"]
+    mla = out.split("Selection for an MLA layer")[1].split("\n\n")[0]
+    assert "head_size=576" in mla and "use_mla=True" in mla and "priority on cpu: TRITON_MLA" in mla
+    assert "TRITON_INTERPRET=1" in mla
+    report = json.loads(run_vattn("--json", env={"TRITON_INTERPRET": "1"}).stdout)
+    assert report["mla_selection"]["selected"] == "TRITON_MLA"
+    assert report["mla_selection"]["config"]["use_mla"] is True
+    assert report["default_selection"]["selected"] == "TORCH_SDPA"

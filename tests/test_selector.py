@@ -22,7 +22,8 @@ from vattn.selector import (
 
 B = AttentionBackendEnum
 ENV = "VATTN_ATTENTION_BACKEND"
-IMPLEMENTED = "FLASH_ATTN, TRITON_ATTN, FLASHINFER, TORCH_SDPA"  # this version's, in registry order
+IMPLEMENTED = ("FLASH_ATTN, TRITON_ATTN, FLASHINFER, TORCH_SDPA, FLEX_ATTENTION, TREE_ATTN, FLASHMLA, FLASHMLA_SPARSE, "
+               "FLASHINFER_MLA, TRITON_MLA, CUTLASS_MLA, FLASH_ATTN_MLA")  # this version's, in registry order
 F16 = torch.float16
 
 
@@ -168,7 +169,7 @@ def test_layer_features_are_checked_against_the_declarations(monkeypatch):
 
 def test_backend_that_fails_to_import_is_skipped(monkeypatch):
     fallback = register_backend(B.CUSTOM)(make_backend("CUSTOM"))
-    use_platform(monkeypatch, ListPlatform(B.FLASHMLA, B.CUSTOM))  # FLASHMLA's module does not exist
+    use_platform(monkeypatch, ListPlatform(B.NO_ATTENTION, B.CUSTOM))  # NO_ATTENTION's module does not exist
     assert get_attn_backend(64, F16, "auto", 16) is fallback
 
 
@@ -237,7 +238,7 @@ def test_context_manager_restores_and_clears_cache():
 def test_no_backend_serves_groups_candidates(monkeypatch):
     register_backend(B.FLASH_ATTN)(make_backend("FLASH_ATTN", head_sizes=(64, 128)))
     register_backend(B.TRITON_ATTN)(make_backend("TRITON_ATTN", head_sizes=(32, 64, 128, 256)))
-    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.FLASHMLA, B.TRITON_ATTN, B.TREE_ATTN))
+    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.NO_ATTENTION, B.TRITON_ATTN, B.CPU_ATTN))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(7, F16, "auto", 16)
     lines = str(ei.value).splitlines()
@@ -246,18 +247,18 @@ def test_no_backend_serves_groups_candidates(monkeypatch):
         "Candidates that cannot serve here, and why:",
         "  FLASH_ATTN: head_size 7 not in [64, 128]",
         "  TRITON_ATTN: head_size 7 not in [32, 64, 128, 256]",
-        f"Candidates not implemented in {vattn_version()}: FLASHMLA, TREE_ATTN",
+        f"Candidates not implemented in {vattn_version()}: NO_ATTENTION, CPU_ATTN",
     ]
     assert "register_backend" in lines[5]
     assert "does not exist" not in str(ei.value)  # unimplemented ones are never imported
 
 
 def test_only_unimplemented_candidates(monkeypatch):
-    use_platform(monkeypatch, ListPlatform(B.FLASHMLA, B.TRITON_MLA))
+    use_platform(monkeypatch, ListPlatform(B.CPU_ATTN, B.NO_ATTENTION))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(64, F16, "auto", 16)
     msg = str(ei.value)
-    assert f"\nCandidates not implemented in {vattn_version()}: FLASHMLA, TRITON_MLA\n" in msg
+    assert f"\nCandidates not implemented in {vattn_version()}: CPU_ATTN, NO_ATTENTION\n" in msg
     assert "cannot serve here" not in msg
 
 
@@ -269,20 +270,26 @@ def test_missing_override_module_cannot_serve_here(monkeypatch):
     assert "not implemented" not in str(ei.value)
 
 
-def test_mla_on_cpu_is_refused_with_reason():
+def test_mla_on_cpu_is_refused_with_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"use_mla=True.*\nCandidates that cannot serve here, and why:\n"
-                       r"  TORCH_SDPA: .*MLA not supported"):
-        get_attn_backend(64, F16, "auto", 16, use_mla=True)
+                       r"  TRITON_MLA: .*TRITON_INTERPRET=1"):
+        get_attn_backend(576, F16, "auto", 16, use_mla=True)
 
 
-def test_mla_on_cuda_lists_mla_backends_as_not_implemented(monkeypatch):
+def test_mla_on_cuda_says_why_each_mla_backend_cannot_serve(monkeypatch):
+    """Without a GPU every MLA backend refuses; FLASHMLA and CUTLASS_MLA name the kernels vattn cannot install."""
     use_platform(monkeypatch, CudaPlatform())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError) as ei:
         get_attn_backend(576, torch.bfloat16, "auto", 64, use_mla=True)
     msg = str(ei.value)
-    assert (f"Candidates not implemented in {vattn_version()}: FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, "
-            "FLASH_ATTN_MLA, TRITON_MLA\n") in msg
-    assert "cannot serve here" not in msg
+    reasons = dict(line.strip().split(": ", 1) for line in msg.split("and why:\n")[1].split("\nChange")[0].splitlines())
+    assert list(reasons) == ["FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
+    assert "flash_mla" in reasons["FLASHMLA"] and "cannot install" in reasons["FLASHMLA"]
+    assert "vllm._C" in reasons["CUTLASS_MLA"] and "cannot install" in reasons["CUTLASS_MLA"]
+    assert "GPU" in reasons["FLASHINFER_MLA"] and "GPU" in reasons["FLASH_ATTN_MLA"]
+    assert "not implemented" not in msg
     assert "FLASH_ATTN:" not in msg.replace("FLASH_ATTN_MLA", "")
 
 
@@ -301,26 +308,26 @@ def test_forced_backend_that_cannot_serve_says_why(monkeypatch):
 @pytest.mark.parametrize("how", ["env", "global"])
 def test_forced_backend_not_implemented_says_so(monkeypatch, how):
     if how == "env":
-        monkeypatch.setenv(ENV, "flashmla")
-        source = "VATTN_ATTENTION_BACKEND='flashmla'"
+        monkeypatch.setenv(ENV, "cpu_attn")
+        source = "VATTN_ATTENTION_BACKEND='cpu_attn'"
     else:
-        global_force_attn_backend("FLASHMLA")
+        global_force_attn_backend("CPU_ATTN")
         source = "global_force_attn_backend"
     with pytest.raises(ValueError) as ei:
         get_attn_backend(64, F16, "auto", 16)
     msg = str(ei.value)
-    assert msg.startswith(f"attention backend FLASHMLA (forced by {source}) is not implemented in {vattn_version()}. "
+    assert msg.startswith(f"attention backend CPU_ATTN (forced by {source}) is not implemented in {vattn_version()}. "
                           f"Implemented backends: {IMPLEMENTED}. ")
-    assert "register_backend(AttentionBackendEnum.FLASHMLA" in msg
+    assert "register_backend(AttentionBackendEnum.CPU_ATTN" in msg
     assert "does not exist" not in msg and "cannot serve" not in msg
 
 
 def test_forced_unimplemented_name_with_an_override_is_used(monkeypatch):
-    mine = register_backend(B.FLEX_ATTENTION)(make_backend("FLEX_ATTENTION"))
-    monkeypatch.setenv(ENV, "FLEX_ATTENTION")
+    mine = register_backend(B.NO_ATTENTION)(make_backend("NO_ATTENTION"))
+    monkeypatch.setenv(ENV, "NO_ATTENTION")
     assert get_attn_backend(64, F16, "auto", 16) is mine  # the registry generation is in the cache key
-    B.FLEX_ATTENTION.clear_override()
-    with pytest.raises(ValueError, match="FLEX_ATTENTION .* is not implemented in"):
+    B.NO_ATTENTION.clear_override()
+    with pytest.raises(ValueError, match="NO_ATTENTION .* is not implemented in"):
         get_attn_backend(64, F16, "auto", 16)
 
 
@@ -344,7 +351,7 @@ def test_unknown_env_name_lists_valid(monkeypatch):
     monkeypatch.setenv(ENV, "FLASH_ATTENTION_9")
     with pytest.raises(ValueError, match=r"VATTN_ATTENTION_BACKEND='FLASH_ATTENTION_9' is not an attention "
                        rf"backend\. Valid options are: {IMPLEMENTED}, CUSTOM \(register a backend first\); "
-                       r"named but not implemented in .*: FLEX_ATTENTION, .*FLASH_ATTN_MLA\. Set it"):
+                       r"named but not implemented in .*: CPU_ATTN, NO_ATTENTION\. Set it"):
         get_env_variable_attn_backend()
     with pytest.raises(ValueError, match="Valid options are"):
         get_attn_backend(64, F16, "auto", 16)

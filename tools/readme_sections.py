@@ -4,7 +4,7 @@ README.md marks each section with ``<!-- NAME:begin -->`` / ``<!-- NAME:end -->`
 
 | section | source |
 | --- | --- |
-| ``support-matrix`` | the backends' own declarations (``vattn.info.support_matrix_markdown``) |
+| ``support-matrix`` | the backends' own declarations (``vattn.backends.support.support_matrix_markdown``, compact) |
 | ``envs`` | the variable table in ``vattn/envs.py``'s docstring |
 | ``figures`` | the "Headline figures" table of ``docs/performance-notes.md`` (less its file column) |
 
@@ -33,9 +33,9 @@ def _table_after(text: str, heading: str | None = None) -> str:
 
 
 def support_matrix() -> str:
-    from vattn.info import support_matrix_markdown
+    from vattn.backends.support import support_matrix_markdown
 
-    return support_matrix_markdown()
+    return support_matrix_markdown(compact=True)
 
 
 def envs_table() -> str:

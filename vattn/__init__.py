@@ -43,6 +43,7 @@ from vattn.forward_context import ForwardContext, get_forward_context, set_forwa
 from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache
 from vattn.metadata import build_common_attn_metadata
 from vattn.layer import Attention
+from vattn.mla_layer import MLAAttention
 from vattn.platform import current_platform
 from vattn.selector import (
     backend_name_to_enum,
@@ -75,6 +76,7 @@ __all__ = [
     "CUDAGraphMode",
     "CUDAGraphRunner",
     "current_platform",
+    "flex_mods",
     "ForwardContext",
     "get_attn_backend",
     "get_current_vattn_config",
@@ -89,6 +91,7 @@ __all__ = [
     "infer_global_hyperparameters",
     "make_local_attention_virtual_batches",
     "MambaAttentionBackendEnum",
+    "MLAAttention",
     "PagedKVCache",
     "PerLayerParameters",
     "register_backend",
@@ -100,10 +103,12 @@ __all__ = [
     "VattnConfig",
 ]
 
-_LAZY = {
+#: Loaded on first use (name -> (module, attribute; None: the module itself)).
+_LAZY: dict[str, tuple[str, str | None]] = {
     "compile": ("vattn.compile_passes.compiler", "compile"),
     "CUDAGraphRunner": ("vattn.cudagraph", "CUDAGraphRunner"),
     "GraphInput": ("vattn.cudagraph", "GraphInput"),
+    "flex_mods": ("vattn.backends.flex_attention.mods", None),
 }
 
 
@@ -112,5 +117,6 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        loaded = importlib.import_module(module)
+        return loaded if attr is None else getattr(loaded, attr)
     raise AttributeError(f"module 'vattn' has no attribute {name!r}")

@@ -137,6 +137,7 @@ class CompilationConfig:
     splitting_ops: tuple[str, ...] = (
         "vattn::unified_attention",
         "vattn::unified_attention_with_output",
+        "vattn::unified_mla_attention_with_output",
     )
     passes: tuple[str, ...] = ("noop_elimination", "query_quant_fusion", "attn_quant_fusion", "defunctionalize",
                                "unfuse_addmm")

@@ -6,17 +6,17 @@ environment at access time), so tests and users may change them at run time.
 | variable | meaning |
 | --- | --- |
 | ``VATTN_ATTENTION_BACKEND`` | force a backend by name (``TRITON_ATTN``, ...) |
-| ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` (default) or ``HND``: the paged cache's stride order |
-| ``VATTN_DEBUG_CHECKS`` | ``1``: check each step's metadata, device tensors too, before any kernel; costs one host sync a step |
-| ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check on every replay that inputs and metadata sit where the capture read them |
-| ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0``: FLASHINFER decodes with its CUDA-core kernel (default: tensor cores) |
-| ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: launch Triton kernels through Triton's own, slower path |
-| ``VATTN_TRITON_FUSED_KV_STORE`` | ``0``: TRITON_ATTN decodes store K/V in a kernel of their own |
+| ``VATTN_KV_CACHE_LAYOUT`` | ``NHD`` (default) or ``HND`` cache layout |
+| ``VATTN_DEBUG_CHECKS`` | ``1``: check each step's device metadata too; one host sync a step |
+| ``VATTN_CUDAGRAPH_DEBUG`` | ``1``: check every replay's input and metadata addresses |
+| ``VATTN_FLASHINFER_DECODE_TENSOR_CORES`` | ``0``: FLASHINFER decodes on CUDA cores |
+| ``VATTN_TRITON_FAST_LAUNCH`` | ``0``: Triton's own (slower) kernel launches |
+| ``VATTN_TRITON_FUSED_KV_STORE`` | ``0``: TRITON_ATTN stores decode K/V apart |
 | ``VATTN_CACHE_ROOT`` | vattn's cache folder (default ``~/.cache/vattn``) |
 | ``VATTN_DISABLE_COMPILE_CACHE`` | ``1``: ``vattn.compile`` stores no Dynamo trace |
 | ``VATTN_COMPILE_CHECK_GUARDS`` | ``1``: every compiled call goes through Dynamo's guards |
-| ``TRITON_INTERPRET`` | ``1``: Triton kernels run on CPU (the interpreter; tests) |
-| ``VATTN_Q_SCALE_CONSTANT`` | divisor of ``calc_kv_scales``' q scale (default 200) |
+| ``TRITON_INTERPRET`` | ``1``: Triton kernels on CPU (tests) |
+| ``VATTN_Q_SCALE_CONSTANT`` | fp8 q-scale divisor (default 200) |
 | ``VATTN_K_SCALE_CONSTANT`` | same for k (default 100) |
 | ``VATTN_V_SCALE_CONSTANT`` | same for v (default 100) |
 """

@@ -21,8 +21,10 @@ from typing import Any, Callable
 import torch
 
 from vattn import __version__, envs
-from vattn.backends.abstract import AttentionBackend, AttentionCGSupport, AttentionType
+from vattn.backends.abstract import AttentionBackend, AttentionCGSupport
 from vattn.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum, vattn_version
+from vattn.backends.support import CG_WORDS, format_sizes, support_matrix_markdown
+from vattn.backends.support import yes as _yes
 from vattn.platform import current_platform
 from vattn.selector import STR_BACKEND_ENV_VAR, get_attn_backend, get_global_forced_attn_backend
 
@@ -40,19 +42,9 @@ PACKAGES: dict[str, tuple[str, ...]] = {
 
 #: The default layer the report asks the selector about (dtype: bfloat16 on CUDA, else float32).
 DEFAULT_LAYER = {"head_size": 128, "kv_cache_dtype": "auto", "block_size": 16}
+#: The MLA layer it asks about: DeepSeek's latent row (kv_lora_rank 512 + qk_rope_head_dim 64).
+MLA_LAYER = {"head_size": 576, "kv_cache_dtype": "auto", "block_size": 64}
 
-_SHORT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_ENCODER_TYPES = {
-    AttentionType.ENCODER: "encoder",
-    AttentionType.ENCODER_ONLY: "encoder-only",
-    AttentionType.ENCODER_DECODER: "cross",
-}
-_CG_WORDS = {
-    AttentionCGSupport.ALWAYS: "always",
-    AttentionCGSupport.UNIFORM_BATCH: "uniform batches",
-    AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE: "1-token decodes",
-    AttentionCGSupport.NEVER: "piecewise only",
-}
 _GENERATIONS = {(7, 0): "Volta", (7, 5): "Turing", (8, 0): "Ampere", (8, 6): "Ampere", (8, 9): "Ada",
                 (9, 0): "Hopper", (10, 0): "Blackwell", (12, 0): "Blackwell"}
 
@@ -99,6 +91,7 @@ def declared_support(cls: type[AttentionBackend]) -> dict[str, Any]:
         "logits_soft_cap": cls.supports_logits_soft_cap,
         "alibi": cls.supports_alibi,
         "sinks": cls.supports_sink,
+        "mask_mod": cls.supports_mask_mod, "score_mod": cls.supports_score_mod,
         "mla": cls.supports_mla,
         "sparse": cls.supports_sparse,
         "attn_types": list(cls.supported_attn_types),
@@ -161,14 +154,14 @@ def backends() -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: order[e["status"]])  # stable: registry order within a status
 
 
-def default_selection() -> dict[str, Any]:
-    """The backend ``get_attn_backend`` picks for ``DEFAULT_LAYER`` here, or its error."""
+def default_selection(use_mla: bool = False) -> dict[str, Any]:
+    """The backend ``get_attn_backend`` picks for ``DEFAULT_LAYER`` (``MLA_LAYER``) here, or its error."""
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    args = (DEFAULT_LAYER["head_size"], dtype, DEFAULT_LAYER["kv_cache_dtype"], DEFAULT_LAYER["block_size"])
+    layer = MLA_LAYER if use_mla else DEFAULT_LAYER
+    args = (layer["head_size"], dtype, layer["kv_cache_dtype"], layer["block_size"], use_mla)
     forced = get_global_forced_attn_backend()
     out: dict[str, Any] = {
-        "config": {"head_size": DEFAULT_LAYER["head_size"], "dtype": str(dtype),
-                   "kv_cache_dtype": DEFAULT_LAYER["kv_cache_dtype"], "block_size": DEFAULT_LAYER["block_size"]},
+        "config": {**layer, "dtype": str(dtype), **({"use_mla": True} if use_mla else {})},
         "priority": [b.name for b in current_platform.get_attn_backend_priority(*args)],
         "forced_by": ("global_force_attn_backend" if forced is not None else
                       STR_BACKEND_ENV_VAR if envs.VATTN_ATTENTION_BACKEND is not None else None),
@@ -207,6 +200,7 @@ def collect() -> dict[str, Any]:
             for m in MambaAttentionBackendEnum
         ],
         "default_selection": default_selection,
+        "mla_selection": lambda: default_selection(use_mla=True),
         "environment": environment,
     }
     report: dict[str, Any] = {"vattn": __version__}
@@ -221,22 +215,6 @@ def collect() -> dict[str, Any]:
 # ---- text -------------------------------------------------------------------------------------
 
 
-def format_sizes(sizes: list[int] | tuple[int, ...] | None) -> str:
-    """``None`` -> ``"any"``; ``8, 16, ..., 256`` -> ``"8-256 (multiples of 8)"``; else the list."""
-    if sizes is None:
-        return "any"
-    s = sorted(sizes)
-    if len(s) >= 4 and s[0] == s[1] - s[0] and all(b - a == s[0] for a, b in zip(s, s[1:])):
-        return f"{s[0]}-{s[-1]} (multiples of {s[0]})"
-    if len(s) >= 4 and s[0] > 0 and all(b == 2 * a for a, b in zip(s, s[1:])):
-        return f"{s[0]}-{s[-1]} (powers of 2)"
-    return ", ".join(map(str, s))
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
 def _serves_lines(s: dict[str, Any]) -> list[str]:
     cap = s["min_compute_capability"]
     if cap is None:
@@ -249,9 +227,9 @@ def _serves_lines(s: dict[str, Any]) -> list[str]:
         f"block sizes: {format_sizes(s['block_sizes'])}",
         f"KV-cache dtypes: {', '.join(s['kv_cache_dtypes'])}",
         f"sliding window: {_yes(s['sliding_window'])}; soft cap: {_yes(s['logits_soft_cap'])}; "
-        f"ALiBi: {_yes(s['alibi'])}; sinks: {_yes(s['sinks'])}; MLA: {_yes(s['mla'])}",
+        f"ALiBi: {_yes(s['alibi'])}; sinks: {_yes(s['sinks'])}; MLA: {_yes(s['mla'])}; mods: {_yes(s['mask_mod'])}",
         f"attention types: {', '.join(s['attn_types'])}",
-        f"CUDA graphs: {s['cuda_graphs']} ({_CG_WORDS[AttentionCGSupport[s['cuda_graphs']]]}); GPUs: {gpus}; "
+        f"CUDA graphs: {s['cuda_graphs']} ({CG_WORDS[AttentionCGSupport[s['cuda_graphs']]]}); GPUs: {gpus}; "
         f"CPU: {_yes(s['runs_on_cpu'])}",
     ]
     lines += [f"note ({key}): {note}" for key, note in s["notes"].items()]
@@ -297,12 +275,15 @@ def render_text(report: dict[str, Any]) -> str:
         out += ["", "Mamba backends (MambaAttentionBackendEnum)",
                 f"  implemented: {', '.join(done) or 'none'}",
                 f"  not implemented in {vattn_version()}: {', '.join(missing) or 'none'}"]
-    sel = report["default_selection"]
-    out += ["", "Selection for a default layer"]
-    if _section_error(sel) is None:
+    for key, title in (("default_selection", "a default layer"), ("mla_selection", "an MLA layer (DeepSeek's latent)")):
+        sel = report.get(key)
+        out += ["", f"Selection for {title}"]
+        if sel is None or _section_error(sel) is not None:
+            continue
         cfg = sel["config"]
         out.append(f"  head_size={cfg['head_size']}, dtype={cfg['dtype']}, "
-                   f"kv_cache_dtype={cfg['kv_cache_dtype']!r}, block_size={cfg['block_size']}")
+                   f"kv_cache_dtype={cfg['kv_cache_dtype']!r}, block_size={cfg['block_size']}"
+                   + (", use_mla=True" if cfg.get("use_mla") else ""))
         out.append(f"  priority on {report['device'].get('platform', '?')}: {', '.join(sel['priority']) or '(none)'}")
         if sel["forced_by"]:
             out.append(f"  forced by {sel['forced_by']}")
@@ -321,66 +302,3 @@ def render_text(report: dict[str, Any]) -> str:
         if (err := _section_error(value)) is not None:
             out.append(f"\n(section {key!r} failed: {err})")
     return "\n".join(out)
-
-
-# ---- support matrix ---------------------------------------------------------------------------
-
-#: Matrix column -> the ``feature_notes`` keys whose note it shows (the first is the canonical key).
-MATRIX_NOTE_KEYS: dict[str, tuple[str, ...]] = {
-    "GPUs (compute capability)": ("gpus", "min_compute_capability"),
-    "CPU": ("cpu", "runs_on_cpu"),
-    "dtypes": ("dtypes", "supported_dtypes"),
-    "head sizes": ("head_sizes",),
-    "fp8 KV": ("fp8_kv", "kv_cache_dtypes", "fp8"),
-    "sliding window": ("sliding_window",),
-    "soft cap": ("logits_soft_cap", "soft_cap"),
-    "ALiBi": ("alibi",),
-    "sinks": ("sinks", "sink"),
-    "encoder": ("encoder", "encoder_attention", "attn_types"),
-    "CUDA graphs": ("cuda_graphs", "cudagraph", "cudagraph_support"),
-}
-
-
-def _matrix_cells(cls: type[AttentionBackend]) -> dict[str, str]:
-    need = cls.min_compute_capability
-    fp8 = [d for d in cls.supported_kv_cache_dtypes if d.startswith("fp8")]
-    enc = [label for t, label in _ENCODER_TYPES.items() if t in cls.supported_attn_types]
-    return {
-        "GPUs (compute capability)": "any" if need is None else f"{need[0]}.{need[1]}+",
-        "CPU": _yes(cls.runs_on_cpu),
-        "dtypes": ", ".join(_SHORT_DTYPES.get(d, str(d).removeprefix("torch.")) for d in cls.supported_dtypes),
-        "head sizes": format_sizes(cls.get_supported_head_sizes()),
-        "fp8 KV": "yes" if set(fp8) >= {"fp8", "fp8_e4m3", "fp8_e5m2"} else ", ".join(fp8) or "no",
-        "sliding window": _yes(cls.supports_sliding_window),
-        "soft cap": _yes(cls.supports_logits_soft_cap),
-        "ALiBi": _yes(cls.supports_alibi),
-        "sinks": _yes(cls.supports_sink),
-        "encoder": "yes" if len(enc) == len(_ENCODER_TYPES) else ", ".join(enc) or "no",
-        "CUDA graphs": _CG_WORDS[AttentionCGSupport(cls.get_builder_cls().cudagraph_support)],
-    }
-
-
-def support_matrix_markdown() -> str:
-    """The implemented backends' declared support as a Markdown table (registry order).
-
-    Built from class declarations only (``supported_dtypes``, ``supports_*``, the builder's
-    ``cudagraph_support``, ``feature_notes``, ...), so it is the same on every machine. A cell
-    whose feature has a note shows it after a colon (``yes: FA2 only``); notes under keys no
-    column shows (``MATRIX_NOTE_KEYS``) follow the table as a list.
-    """
-    header = ["backend", *MATRIX_NOTE_KEYS]
-    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    extra: list[str] = []
-    for member in AttentionBackendEnum:
-        if not member.is_implemented():
-            continue
-        cls = member.get_class()
-        cells, notes = _matrix_cells(cls), dict(cls.feature_notes)
-        for column, keys in MATRIX_NOTE_KEYS.items():
-            key = next((k for k in keys if k in notes), None)
-            if key is not None:
-                cells[column] += f": {notes.pop(key)}"
-        row = [member.name, *cells.values()]
-        rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |")
-        extra += [f"- {member.name}, {key}: {note}" for key, note in sorted(notes.items())]
-    return "\n".join(rows) + ("\n\n" + "\n".join(extra) if extra else "") + "\n"

@@ -31,6 +31,7 @@ from vattn.metadata import build_common_attn_metadata
 from vattn.ops.kv_store import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
+    from vattn.backends.abstract import AttentionLayerBase
     from vattn.layer import Attention
 
 __all__ = [
@@ -155,15 +156,10 @@ class PagedKVCache:
         )
 
 
-def _spec_of(layer: "Attention", dtype: torch.dtype) -> AttentionSpec:
-    return AttentionSpec(
-        block_size=layer.block_size,
-        num_kv_heads=layer.num_kv_heads,
-        head_size=layer.head_size,
-        dtype=kv_cache_torch_dtype(layer.kv_cache_dtype, dtype),
-        cache_dtype_str=layer.kv_cache_dtype,
-        sliding_window=layer.sliding_window,
-    )
+def _spec_of(layer: "AttentionLayerBase", dtype: torch.dtype) -> AttentionSpec:
+    """The layer's cache spec (``AttentionLayerBase.get_kv_cache_spec``: an MLA layer's is an
+    ``MLAAttentionSpec``, its latent width) for a model of ``dtype``."""
+    return layer.get_kv_cache_spec(kv_cache_torch_dtype(layer.kv_cache_dtype, dtype))  # type: ignore[attr-defined]
 
 
 def _allocate_one(backend: type[AttentionBackend], spec: AttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -186,6 +182,11 @@ def allocate_kv_cache(
     dtype: torch.dtype | None = None,
 ) -> PagedKVCache:
     """Allocate a paged KV cache for every attention layer of ``config`` and bind it.
+
+    Each layer's cache follows its spec (``get_kv_cache_spec``): ``vattn.Attention`` layers get
+    K/V pages, ``vattn.MLAAttention`` layers one latent row per token; layers of one backend and
+    spec form a group with one metadata builder. Every layer shares one block size, so one block
+    table per request serves all of them.
 
     Args:
         config: the config the model was built under (default: the current one).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -11,7 +11,7 @@ from torch import nn
 import vattn.ops  # noqa: F401  (registers the vattn:: ops)
 from vattn import envs
 from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, AttentionType, is_fp8_kv_cache
-from vattn.backends.checks import check_layer_args
+from vattn.backends.checks import check_layer_args, check_mods
 from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.forward_context import get_forward_context
@@ -110,6 +110,9 @@ class Attention(nn.Module, AttentionLayerBase):
         attn_type: one of ``AttentionType``.
         kv_sharing_target_layer_name: reuse an earlier layer's KV cache.
         attn_backend: force a backend class (or name); default: ``vattn.get_attn_backend``.
+        mask_mod, score_mod: FlexAttention mods over logical positions (``b`` the request, ``q_idx`` /
+            ``kv_idx`` positions in its sequence); a mask_mod replaces the causal mask. Served by
+            FLEX_ATTENTION (selected for them); see ``vattn.backends.flex_attention.mods``.
         **extra_impl_args: passed to the backend impl, e.g. ``sinks`` (H,) float tensor.
 
     ``forward(query (T, H*D), key (T, Hk*D), value (T, Hk*D)) -> (T, H*D)``; the step's
@@ -134,6 +137,8 @@ class Attention(nn.Module, AttentionLayerBase):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
         attn_backend: type[AttentionBackend] | str | None = None,
+        mask_mod: Callable[..., torch.Tensor] | None = None,
+        score_mod: Callable[..., torch.Tensor] | None = None,
         **extra_impl_args: Any,
     ) -> None:
         super().__init__()
@@ -146,6 +151,7 @@ class Attention(nn.Module, AttentionLayerBase):
         )
         check_layer_args(num_heads, head_size, scale, num_kv_heads, logits_soft_cap, sliding_window, alibi_slopes,
                          where=f"vattn.Attention({prefix!r})")
+        check_mods(mask_mod, score_mod, where=f"vattn.Attention({prefix!r})")
         if attn_type not in AttentionType.ALL:
             raise ValueError(f"attn_type must be one of {AttentionType.ALL}, got {attn_type!r}.")
         if not prefix:
@@ -189,6 +195,8 @@ class Attention(nn.Module, AttentionLayerBase):
 
         features = dict(attn_type=attn_type, use_sliding_window=sliding_window is not None,
                         use_logits_soft_cap=bool(logits_soft_cap), use_alibi=alibi_slopes is not None)
+        # Named only when used: a custom backend's feature_reasons may predate them.
+        features.update({f"use_{k}": True for k, v in (("mask_mod", mask_mod), ("score_mod", score_mod)) if v})
         self.attn_backend = _resolve_backend(
             attn_backend,
             features,
@@ -200,12 +208,10 @@ class Attention(nn.Module, AttentionLayerBase):
             has_sink=self.has_sink,
             use_sparse=use_sparse,
         )
-        impl_cls = self.attn_backend.get_impl_cls()
-        self.impl = impl_cls(
-            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-            self.kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-            **extra_impl_args,
-        )
+        mods = {k: v for k, v in (("mask_mod", mask_mod), ("score_mod", score_mod)) if v is not None}
+        self.impl = self.attn_backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, self.kv_cache_dtype,
+            logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mods, **extra_impl_args)
         self.backend = backend_name_to_enum(self.attn_backend.get_name())
         self.use_direct_call = not current_platform.opaque_attention_op()
         self.use_output = self.attn_backend.accept_output_buffer

@@ -136,6 +136,7 @@ def build_common_attn_metadata(
     max_blocks_per_req: int | None = None,
     causal: bool = True,
     num_blocks: int | None = None,
+    tree_parents: Sequence[int] | torch.Tensor | None = None,
 ) -> CommonAttentionMetadata:
     """Turn per-request facts into ``CommonAttentionMetadata`` (vectorized host work, one copy each).
 
@@ -154,6 +155,8 @@ def build_common_attn_metadata(
         max_blocks_per_req: width of ``block_table_tensor`` (default: the longest row).
         causal: False for encoder (bidirectional) attention.
         num_blocks: the cache's block count; block ids must be below it (checked when given).
+        tree_parents: TREE_ATTN's draft trees: per new token, its parent's index among its request's
+            new tokens (-1: the last cached token), flattened like the tokens; None: chains (causal).
 
     New token ``i`` of request ``r`` sits at position ``num_computed_tokens[r] + i`` and goes to
     slot ``block_tables[r][pos // block_size] * block_size + pos % block_size``.
@@ -253,4 +256,22 @@ def build_common_attn_metadata(
         max_seq_len=int(seq_lens.max(initial=0)),
         causal=causal,
         host_checks=checks,
+        tree_parents=None if tree_parents is None else _tree_parents(tree_parents, qlens, device),
     )
+
+
+def _tree_parents(parents: Sequence[int] | torch.Tensor, qlens: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """``parents`` as an int32 device tensor, after checking each token's parent is -1 or an
+    earlier token of its request (which makes every request's tokens a tree)."""
+    fix = "give each new token its parent's index among its request's new tokens, or -1 for the cached context."
+    arr = _int_kind("tree_parents", np.asarray(parents.cpu() if isinstance(parents, torch.Tensor) else parents), fix)
+    n = int(qlens.sum())
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"tree_parents: expected one entry per new token ({n}), got shape {arr.shape}; {fix}")
+    index = np.arange(n) - np.repeat(np.cumsum(qlens) - qlens, qlens)  # each token's index in its request
+    bad = (arr < -1) | (arr >= index)
+    if bad.any():
+        t = int(np.nonzero(bad)[0][0])
+        raise ValueError(f"tree_parents[{t}]: expected -1 or an earlier token's index (< {index[t]}) within its "
+                         f"request, got {arr[t]}; {fix}")
+    return torch.from_numpy(arr.astype(np.int32)).to(device)

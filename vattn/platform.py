@@ -10,18 +10,21 @@ Backend priority (the selector tries these in order and takes the first whose
 | cuda, sm_90 (Hopper) | standard attention, fp16/bf16 | TRITON_ATTN, FLASHINFER, FLASH_ATTN, TORCH_SDPA (by measurement: see ``CudaPlatform.hopper_priority``) |
 | cuda, other | standard attention, fp16/bf16 | FLASH_ATTN (flash-attn-4 / FA3 / FA2), FLASHINFER, TRITON_ATTN, TORCH_SDPA |
 | cuda | float32 | TORCH_SDPA, TRITON_ATTN (the libraries serve only fp16/bf16) |
-| cuda | MLA (``use_mla``) | FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, TRITON_MLA |
+| cuda | MLA (``use_mla``) | FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, TRITON_MLA (sm_90: ``hopper_mla_priority``) |
 | cpu | standard attention | TORCH_SDPA |
-| cpu | MLA | TORCH_SDPA (which states why it cannot serve MLA, if it cannot) |
+| cpu | MLA | TRITON_MLA (under ``TRITON_INTERPRET=1`` only; otherwise it states why not) |
 
 Why this order on CUDA: FlashAttention and FlashInfer are the fastest tuned kernels where
 installed (each reports itself unavailable otherwise); vattn's Triton kernels need only
 Triton; SDPA is the always-works reference. On Hopper the measured order differs (Triton
-first, for decode; the numbers are in benchmarks/README.md). The MLA list names backends
-for versions to come: the selector reports those the installed version does not implement.
-On CPU only SDPA is a sensible default; TRITON_ATTN runs there only under
-``TRITON_INTERPRET=1`` and only when forced (``VATTN_ATTENTION_BACKEND=TRITON_ATTN`` or
-``vattn.global_force_attn_backend``).
+first, for decode; the numbers are in benchmarks/README.md). MLA: FLASHMLA and CUTLASS_MLA
+need kernel libraries vattn does not ship and say so (the selector lists their reasons);
+FlashInfer's and FlashAttention's MLA kernels come next, vattn's Triton MLA last (it also
+serves fp32 and fp8 latent caches); ``hopper_mla_priority`` is the order
+``benchmarks/bench_mla.py`` measures on sm_90. On CPU only SDPA is a sensible default;
+TRITON_ATTN runs there only under ``TRITON_INTERPRET=1`` and only when forced
+(``VATTN_ATTENTION_BACKEND=TRITON_ATTN`` or ``vattn.global_force_attn_backend``); no MLA
+backend runs on CPU except TRITON_MLA under the interpreter (tests).
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ class CudaPlatform(Platform):
     #: long requests is far slower, though its prefill is the fastest; it stays behind FlashInfer.
     #: The measurements behind this order: benchmarks/README.md (from benchmarks/results/*.json).
     hopper_priority = (_B.TRITON_ATTN, _B.FLASHINFER, _B.FLASH_ATTN, _B.TORCH_SDPA)
+    #: MLA on Hopper (sm_90), to be ordered by ``benchmarks/bench_mla.py``'s decode and prefill
+    #: results (benchmarks/README.md); until measured, the class table's order.
+    hopper_mla_priority = (_B.FLASHMLA, _B.FLASHINFER_MLA, _B.CUTLASS_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
     #: float32 models: the reference backend (exact float32 math, runs on CPU tensors too).
     float32_priority = (_B.TORCH_SDPA, _B.TRITON_ATTN)
 
@@ -141,12 +147,13 @@ class CudaPlatform(Platform):
         has_sink: bool = False,
         use_sparse: bool = False,
     ) -> list[AttentionBackendEnum]:
-        """CUDA order: float32 -> SDPA first; Hopper -> ``hopper_priority``; else the class table."""
+        """CUDA order: float32 -> SDPA first; Hopper -> ``hopper_priority`` (MLA: ``hopper_mla_priority``);
+        else the class table."""
+        cap = self.get_device_capability()
         if use_mla:
-            return list(self.mla_priority)
+            return list(self.hopper_mla_priority if cap is not None and cap.major == 9 else self.mla_priority)
         if dtype == torch.float32:
             return list(self.float32_priority)
-        cap = self.get_device_capability()
         if cap is not None and cap.major == 9:
             return list(self.hopper_priority)
         return list(self.attention_priority)
@@ -169,7 +176,7 @@ class CpuPlatform(Platform):
 
     device_type = "cpu"
     attention_priority = (_B.TORCH_SDPA,)
-    mla_priority = (_B.TORCH_SDPA,)
+    mla_priority = (_B.TRITON_MLA,)
 
 
 @functools.lru_cache(maxsize=1)

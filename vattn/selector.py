@@ -5,7 +5,8 @@ Override order (first that is set wins):
 1. a globally forced backend (``global_force_attn_backend`` or its context manager);
 2. the ``VATTN_ATTENTION_BACKEND`` environment variable (a member name of ``AttentionBackendEnum``);
 3. the platform's priority list (``vattn.platform``): the first backend that can serve the
-   configuration.
+   configuration; a layer with a FlexAttention ``mask_mod`` / ``score_mod`` also tries the
+   backends that take them (``MOD_BACKENDS``) after that list.
 
 A forced backend (1 or 2) that cannot serve the configuration is an error saying why; it
 never falls back silently. A forced name that this vattn version does not implement
@@ -48,6 +49,9 @@ __all__ = [
 logger = logging.getLogger("vattn.selector")
 
 STR_BACKEND_ENV_VAR = "VATTN_ATTENTION_BACKEND"
+#: Tried after the platform's list for a layer with a mask_mod or score_mod: the platforms list
+#: fixed-function kernels, which refuse mods.
+MOD_BACKENDS = (AttentionBackendEnum.FLEX_ATTENTION,)
 
 
 class _ForcedBackend:
@@ -144,6 +148,8 @@ def get_attn_backend(
     use_sliding_window: bool = False,
     use_logits_soft_cap: bool = False,
     use_alibi: bool = False,
+    use_mask_mod: bool = False,
+    use_score_mod: bool = False,
 ) -> type[AttentionBackend]:
     """Select the attention backend for a configuration and import it.
 
@@ -155,9 +161,9 @@ def get_attn_backend(
         use_mla: the layer is multi-head latent attention.
         has_sink: the layer has attention-sink logits.
         use_sparse: the layer uses sparse attention.
-        attn_type, use_sliding_window, use_logits_soft_cap, use_alibi: the layer's features
-            (beyond the seed's arguments), checked against each backend's declarations
-            (``AttentionBackend.feature_reasons``).
+        attn_type, use_sliding_window, use_logits_soft_cap, use_alibi, use_mask_mod, use_score_mod:
+            the layer's features (beyond the seed's arguments), checked against each backend's
+            declarations (``AttentionBackend.feature_reasons``).
 
     Returns:
         The backend class (a subclass of ``AttentionBackend``).
@@ -189,7 +195,8 @@ def get_attn_backend(
         bool(use_mla),
         bool(has_sink),
         bool(use_sparse),
-        features=(attn_type, bool(use_sliding_window), bool(use_logits_soft_cap), bool(use_alibi)),
+        features=(attn_type, bool(use_sliding_window), bool(use_logits_soft_cap), bool(use_alibi),
+                  bool(use_mask_mod), bool(use_score_mod)),
         forced_backend=get_global_forced_attn_backend(),
         env_backend=envs.VATTN_ATTENTION_BACKEND,
         platform=current_platform,
@@ -220,17 +227,19 @@ def _reasons_against(
         reasons = list(cls.validate_configuration(*config))
     except ImportError as e:  # e.g. is_available() probing a missing library
         return None, [f"unavailable: {e}"]
-    attn_type, window, soft_cap, alibi = features
+    attn_type, window, soft_cap, alibi, mask_mod, score_mod = features
+    mods = {k: True for k, on in (("use_mask_mod", mask_mod), ("use_score_mod", score_mod)) if on}
     reasons += cls.feature_reasons(attn_type, use_sliding_window=window, use_logits_soft_cap=soft_cap,
-                                   use_alibi=alibi)
+                                   use_alibi=alibi, **mods)  # mods only when asked: older overrides lack them
     return cls, reasons
 
 
 def _describe(config: tuple, features: tuple) -> str:
     head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse = config
-    attn_type, window, soft_cap, alibi = features
+    attn_type, window, soft_cap, alibi, mask_mod, score_mod = features
     extra = "".join(f", {name}=True" for name, on in (("use_sliding_window", window),
-                                                      ("use_logits_soft_cap", soft_cap), ("use_alibi", alibi)) if on)
+                                                      ("use_logits_soft_cap", soft_cap), ("use_alibi", alibi),
+                                                      ("use_mask_mod", mask_mod), ("use_score_mod", score_mod)) if on)
     if attn_type != AttentionType.DECODER:
         extra += f", attn_type={attn_type!r}"
     return (
@@ -249,7 +258,7 @@ def _cached_get_attn_backend(
     has_sink: bool,
     use_sparse: bool,
     *,
-    features: tuple[str, bool, bool, bool],
+    features: tuple[str, bool, bool, bool, bool, bool],
     forced_backend: AttentionBackendEnum | None,
     env_backend: str | None,
     platform: Platform,
@@ -283,7 +292,9 @@ def _cached_get_attn_backend(
         logger.info("Using attention backend %s (forced by %s).", selected.name, source)
         return cls
 
-    candidates = platform.get_attn_backend_priority(*config)
+    candidates = list(platform.get_attn_backend_priority(*config))
+    if features[4] or features[5]:  # mask_mod / score_mod
+        candidates += [b for b in MOD_BACKENDS if b not in candidates]
     rejected: list[str] = []
     missing: list[str] = []
     for backend in candidates:

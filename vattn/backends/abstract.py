@@ -90,6 +90,7 @@ class CommonAttentionMetadata:
     | causal | bool | causal masking (False for encoder attention) |
     | num_slot_tokens | int or None | real entries of slot_mapping: None = num_actual_tokens; cross-attention: the encoder tokens whose K/V this step writes |
     | host_checks | StepChecks | set at construction: the batch's host facts (vattn's helpers pass theirs) |
+    | tree_parents | (>= num_actual_tokens,) int32, or None | TREE_ATTN: per new token, its parent's index among its request's new tokens (-1: the last cached token); None: each request's tokens form a chain (causal) |
 
     Construction checks the fields on the host (``vattn.backends.checks.check_common_metadata``:
     dtypes, lengths, devices, what the host mirrors say; the slot mapping and block table too
@@ -112,6 +113,7 @@ class CommonAttentionMetadata:
     causal: bool = True
     num_slot_tokens: int | None = None
     host_checks: StepChecks | None = field(default=None, repr=False, compare=False)
+    tree_parents: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.host_checks = check_common_metadata(self)
@@ -155,11 +157,15 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
     supports_alibi: ClassVar[bool] = False
+    supports_mask_mod: ClassVar[bool] = False  # takes a layer's FlexAttention mask_mod
+    supports_score_mod: ClassVar[bool] = False  # takes a layer's FlexAttention score_mod
     supported_attn_types: ClassVar[tuple[str, ...]] = (AttentionType.DECODER,)
     runs_on_cpu: ClassVar[bool] = False
     """Serves CPU tensors (else CUDA only)."""
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
     """The oldest CUDA GPU generation it runs on, e.g. ``(8, 0)``; None: any."""
+    installable: ClassVar[bool] = True
+    """False: vattn names it, but cannot install its kernels (it only says why it cannot serve)."""
     feature_notes: ClassVar[dict[str, str]] = {}
     """Qualifiers of the declarations above, by feature name (e.g. ``{"sinks": "flash-attn-4 only"}``)."""
 
@@ -224,9 +230,11 @@ class AttentionBackend(ABC):
 
     @classmethod
     def feature_reasons(cls, attn_type: str = AttentionType.DECODER, *, use_sliding_window: bool = False,
-                        use_logits_soft_cap: bool = False, use_alibi: bool = False) -> list[str]:
-        """Every layer feature (attention type, window, soft cap, ALiBi) it declares not to serve."""
-        return feature_reasons(cls, attn_type, use_sliding_window, use_logits_soft_cap, use_alibi)
+                        use_logits_soft_cap: bool = False, use_alibi: bool = False, use_mask_mod: bool = False,
+                        use_score_mod: bool = False) -> list[str]:
+        """Every layer feature (attention type, window, soft cap, ALiBi, mods) it declares not to serve."""
+        return feature_reasons(cls, attn_type, use_sliding_window, use_logits_soft_cap, use_alibi, use_mask_mod,
+                               use_score_mod)
 
     @classmethod
     def get_cudagraph_support(cls) -> AttentionCGSupport:
@@ -254,14 +262,11 @@ class AttentionImpl(ABC, Generic[M]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
-        self.num_heads = num_heads
-        self.head_size = head_size
+        self.num_heads, self.head_size = num_heads, head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
-        self.alibi_slopes = (
-            torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
-        )
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         # (left, right) window in tokens, as FlashAttention takes it; None = unlimited.
         self.sliding_window = (sliding_window - 1, 0) if sliding_window is not None else None
         self.kv_cache_dtype = kv_cache_dtype
@@ -377,3 +382,9 @@ class AttentionLayerBase(ABC):
     @abstractmethod
     def get_attn_backend(self) -> type[AttentionBackend]:
         """The backend class this layer runs."""
+
+    def get_kv_cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        """The layer's cache spec storing ``dtype`` (``allocate_kv_cache`` groups layers by it)."""
+        layer: Any = self
+        return AttentionSpec(block_size=layer.block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
+                             dtype=dtype, cache_dtype_str=layer.kv_cache_dtype, sliding_window=layer.sliding_window)

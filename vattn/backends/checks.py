@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import inspect
 import math
 from typing import Any
 
@@ -21,7 +22,8 @@ from vattn.backends.batch_checks import StepChecks, fail
 if TYPE_CHECKING:
     from vattn.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
-__all__ = ["check_common_metadata", "check_layer_args", "configuration_reasons", "fail", "feature_reasons"]
+__all__ = ["check_common_metadata", "check_layer_args", "check_mods", "configuration_reasons", "fail",
+           "feature_reasons"]
 
 _FIELD = "CommonAttentionMetadata."
 _INTS = (torch.int32, torch.int64)
@@ -222,7 +224,8 @@ def configuration_reasons(cls: "type[AttentionBackend]", head_size: int, dtype: 
 
 
 def feature_reasons(cls: "type[AttentionBackend]", attn_type: str, use_sliding_window: bool,
-                    use_logits_soft_cap: bool, use_alibi: bool) -> list[str]:
+                    use_logits_soft_cap: bool, use_alibi: bool, use_mask_mod: bool = False,
+                    use_score_mod: bool = False) -> list[str]:
     """Every layer feature backend ``cls`` declares it does not serve (the default
     ``AttentionBackend.feature_reasons``)."""
     reasons = []
@@ -230,7 +233,27 @@ def feature_reasons(cls: "type[AttentionBackend]", attn_type: str, use_sliding_w
         reasons.append(f"attn_type {attn_type!r} not in {list(cls.supported_attn_types)}")
     for wanted, served, what in ((use_sliding_window, cls.supports_sliding_window, "sliding window"),
                                  (use_logits_soft_cap, cls.supports_logits_soft_cap, "logits soft cap"),
-                                 (use_alibi, cls.supports_alibi, "ALiBi")):
+                                 (use_alibi, cls.supports_alibi, "ALiBi"),
+                                 (use_mask_mod, cls.supports_mask_mod, "mask_mod"),
+                                 (use_score_mod, cls.supports_score_mod, "score_mod")):
         if wanted and not served:
             reasons.append(f"{what} not supported")
     return reasons
+
+
+def check_mods(mask_mod: Any, score_mod: Any, where: str = "vattn.Attention") -> None:
+    """``mask_mod`` / ``score_mod``: None or a callable taking FlexAttention's 4 / 5 tensors."""
+    for name, fn, n, names in (("mask_mod", mask_mod, 4, "b, h, q_idx, kv_idx"),
+                               ("score_mod", score_mod, 5, "score, b, h, q_idx, kv_idx")):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise TypeError(f"{where}: {name}: expected None or a function ({names}) -> tensor, got {fn!r}; "
+                            "see vattn.backends.flex_attention.mods.")
+        try:
+            inspect.signature(fn).bind(*range(n))
+        except TypeError:
+            fail(f"{where}: {name}", f"a function of {n} positional tensors ({names})", repr(fn),
+                 "write it as FlexAttention defines it (vattn.backends.flex_attention.mods has examples).")
+        except ValueError:  # no signature to inspect (a builtin): trust it
+            pass

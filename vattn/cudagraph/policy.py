@@ -188,6 +188,7 @@ def pad_common_attn_metadata(
         causal=common.causal,
         # The padding keeps the checks the batch passed valid: reuse them (no host work again).
         host_checks=None if facts is None else facts.for_padded((qsl_cpu, seq_cpu, bt, slots)),
+        tree_parents=common.tree_parents,  # read for the real tokens only
     )
 
 

@@ -111,8 +111,9 @@ def _check_supported(path: str, module: nn.Module, config: Any) -> None:
         raise _refuse(path, module, "cross-attention (encoder-decoder) is not supported by the vattn adapter; "
                                     "it runs decoder-only causal LMs")
     if any(hasattr(module, a) for a in _MLA_ATTRIBUTES) or getattr(config, "kv_lora_rank", None):
-        raise _refuse(path, module, "multi-head latent attention (MLA) is not supported until vattn's MLA "
-                                    "layer lands; use a model with standard (GQA/MQA/MHA) attention")
+        raise _refuse(path, module, "multi-head latent attention (MLA) is not adapted yet; build the model "
+                                    "with vattn.MLAAttention layers (examples/deepseek_model.py loads "
+                                    "DeepseekV3ForCausalLM weights) or use standard (GQA/MQA/MHA) attention")
     if getattr(module, "is_causal", True) is False:
         raise _refuse(path, module, "non-causal (bidirectional) attention; the adapter runs causal decoder "
                                     "self-attention only")

@@ -1,0 +1,96 @@
+"""``FlexAttentionBackend``: FLEX_ATTENTION's static facts (see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from vattn.backends.abstract import AttentionBackend, AttentionType
+from vattn.backends.flex_attention.impl import SUPPORTED_KV_CACHE_DTYPES, FlexAttentionImpl
+from vattn.backends.flex_attention.metadata import FlexAttentionMetadata, FlexAttentionMetadataBuilder
+from vattn.backends.utils import check_kv_cache_shape_args
+
+__all__ = ["FlexAttentionBackend"]
+
+#: The cache block is FlexAttention's sparse key block; its CUDA kernels tile keys by at least 16.
+CUDA_BLOCK_MULTIPLE = 16
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """PyTorch FlexAttention over the paged cache, with user ``mask_mod`` / ``score_mod``; CPU and CUDA."""
+
+    accept_output_buffer: ClassVar[bool] = True
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = SUPPORTED_KV_CACHE_DTYPES
+    supports_sink: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = True
+    supports_mask_mod: ClassVar[bool] = True
+    supports_score_mod: ClassVar[bool] = True
+    supported_attn_types: ClassVar[tuple[str, ...]] = (AttentionType.DECODER,)
+    runs_on_cpu: ClassVar[bool] = True
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    feature_notes: ClassVar[dict[str, str]] = {
+        "head_sizes": "CUDA: 16 and up",
+        "sinks": "CPU: the reference path (slow)",
+        "block_sizes": "CUDA: multiples of 16",
+        "cuda_graphs": "other steps piecewise",
+    }
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLEX_ATTENTION"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlexAttentionImpl]:
+        return FlexAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[FlexAttentionMetadata]:
+        return FlexAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[FlexAttentionMetadataBuilder]:
+        return FlexAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
+        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        """Identity (NHD) whatever ``VATTN_KV_CACHE_LAYOUT`` says: FlexAttention reads the cache as
+        one key sequence, a view only of the NHD layout."""
+        return (0, 1, 2, 3, 4)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> tuple[int, ...]:
+        return tuple(range(8, 257, 8))
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        except ImportError as e:
+            return False, f"this torch has no FlexAttention ({e}); install torch >= 2.11"
+        return True, ""
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                               block_size: int, use_mla: bool = False, has_sink: bool = False,
+                               use_sparse: bool = False) -> list[str]:
+        """The declarations' reasons, and on a CUDA machine a block size that is not a multiple of 16
+        or a head size below 16 (FlexAttention's CUDA kernels tile by 16)."""
+        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                                                 has_sink, use_sparse)
+        if torch.cuda.is_available() and block_size % CUDA_BLOCK_MULTIPLE:
+            reasons.append(f"block_size {block_size}: FlexAttention's CUDA kernels need a multiple of "
+                           f"{CUDA_BLOCK_MULTIPLE} (a key tile lies inside one cache block)")
+        if torch.cuda.is_available() and head_size < CUDA_BLOCK_MULTIPLE:
+            reasons.append(f"head_size {head_size}: FlexAttention's CUDA kernels need at least {CUDA_BLOCK_MULTIPLE}")
+        return reasons

@@ -1,0 +1,99 @@
+"""Run FlexAttention compiled: one ``torch.compile``'d callable per static shape.
+
+FlexAttention is fast only compiled (eager FlexAttention materializes every score). vattn calls
+it from inside the opaque attention op, so the model's own graph never sees it. Shapes are
+static and the builder pads them to powers of two (``bucket``), which bounds the compiles
+per process: static batch sizes let Inductor pick its split-KV decoding kernel on CUDA for
+1-query launches, and Inductor's CPU template does not compile every dynamic-shape variant.
+Each shape key gets its own callable made from a fresh code object: Dynamo keeps its cache per
+code object, so no key ever *re*compiles (nor counts against ``recompile_limit``, nor trips
+``error_on_recompile``), and a call checks one key's guards.
+
+``compiled=False`` runs FlexAttention's reference implementation (every score materialized)
+through Dynamo's ``eager`` backend, keyed the same way: plain eager FlexAttention would trace
+one shared wrapper that recompiles as shapes change. The reference also serves log-sum-exp on
+CPU, which Inductor's CPU template does not return.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+__all__ = ["bucket", "compiled_flex_count", "default_kernel_options", "run_flex"]
+
+_COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The power of two at least ``max(n, floor)``: the padded size of a launch dimension."""
+    n = max(int(n), floor, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def compiled_flex_count() -> int:
+    """How many compiled FlexAttention callables this process holds (one per shape key)."""
+    return len(_COMPILED)
+
+
+def default_kernel_options(device: torch.device, block_size: int) -> dict[str, Any]:
+    """Kernel options vattn passes unless the layer overrides them: on CUDA a key tile
+    (``BLOCK_N``) that divides the cache block (the sparse key block is one cache block, and
+    Inductor's default tiles go up to 128 keys). Blocks of a multiple of 128 keep the default."""
+    if device.type != "cuda" or block_size % 128 == 0:
+        return {}
+    return {"BLOCK_N": min(64, block_size & -block_size)}  # the largest power of two dividing it, at most 64
+
+
+def _flex(query: Tensor, key: Tensor, value: Tensor, score_mod: Any, block_mask: BlockMask, scale: float,
+          kernel_options: dict[str, Any] | None, return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    if return_lse:
+        out, aux = flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                  enable_gqa=True, kernel_options=kernel_options, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    out = flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                         enable_gqa=True, kernel_options=kernel_options)
+    return out, None
+
+
+def _new_callable(tag: int, backend: str) -> Callable[..., Any]:
+    """``_flex`` compiled with ``backend``, from a code object of its own (its own Dynamo cache)."""
+    code = _flex.__code__.replace(co_name=f"_flex_{tag}")
+    fn = types.FunctionType(code, _flex.__globals__, code.co_name, _flex.__defaults__, _flex.__closure__)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+
+def _shape_key(query: Tensor, key: Tensor, block_mask: BlockMask) -> tuple[Any, ...]:
+    masks = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+             block_mask.full_kv_indices)
+    return (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype,
+            tuple(None if t is None else tuple(t.shape) for t in masks), block_mask.BLOCK_SIZE,
+            block_mask.seq_lengths)
+
+
+def run_flex(query: Tensor, key: Tensor, value: Tensor, *, score_mod: Any, block_mask: BlockMask, scale: float,
+             kernel_options: dict[str, Any] | None, return_lse: bool, compiled: bool,
+             mods_key: tuple[Any, ...]) -> tuple[Tensor, Tensor | None]:
+    """``flex_attention(query, key, value, ...)`` with GQA, and its log-sum-exp when asked.
+
+    | tensor | shape |
+    | --- | --- |
+    | query | (Bq, H, Lq, D) |
+    | key, value | (1, Hk, num_blocks * block_size, D) |
+    | returns | (Bq, H, Lq, D) in query's dtype; log-sum-exp (Bq, H, Lq) float32 or None |
+
+    ``mods_key`` identifies the mods (and their captured shapes) beyond what the tensors say;
+    ``compiled=False`` runs FlexAttention's reference implementation (slow).
+    """
+    inductor = compiled and not (return_lse and query.device.type == "cpu")
+    backend = "inductor" if inductor else "eager"
+    options = tuple(sorted((kernel_options or {}).items())) if inductor else ()
+    cache_key = (_shape_key(query, key, block_mask), mods_key, options, return_lse, backend)
+    fn = _COMPILED.get(cache_key)
+    if fn is None:
+        fn = _COMPILED[cache_key] = _new_callable(len(_COMPILED), backend)
+    return fn(query, key, value, score_mod, block_mask, scale, kernel_options if inductor else None, return_lse)

@@ -1,0 +1,29 @@
+"""CUTLASS_MLA: vLLM's CUTLASS MLA decode for Blackwell, which vattn cannot install (see ``unservable``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from vattn.backends.abstract import AttentionImpl
+from vattn.backends.mla.unservable import UnservableMLABackend, unservable_impl
+
+__all__ = ["CutlassMLABackend"]
+
+
+class CutlassMLABackend(UnservableMLABackend):
+    """CUTLASS MLA (``sm100_cutlass_mla_decode``): not runnable with this vattn; ``is_available`` says why."""
+
+    library: ClassVar[str] = "vllm"
+    needs: ClassVar[str] = ("vLLM's CUTLASS MLA decode kernel (sm100_cutlass_mla_decode, compiled into vLLM's "
+                            "own CUDA extension vllm._C; Blackwell sm_100 only, 128 query heads): it ships only "
+                            "inside a vLLM build, which vattn cannot install as a kernel library")
+    min_compute_capability: ClassVar[tuple[int, int] | None] = (10, 0)
+    feature_notes: ClassVar[dict[str, str]] = {"gpus": "vllm._C, not installable"}
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUTLASS_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return unservable_impl(CutlassMLABackend)

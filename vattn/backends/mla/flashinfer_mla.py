@@ -1,0 +1,192 @@
+"""FLASHINFER_MLA: FlashInfer's MLA paged attention for decodes, its ragged prefill for prefills.
+
+* Decodes: ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (``plan`` once per step in the
+  builder, ``run`` per layer) over the latent cache viewed as its two parts, ``ckv_cache``
+  ``(num_blocks, block_size, L)`` and ``kpe_cache`` ``(num_blocks, block_size, P)`` (strided
+  views, no copy). Pure-decode steps of a captured size go through one CUDA-graph wrapper per
+  batch size over persistent ``qo_indptr`` / ``kv_indptr`` / ``kv_indices`` / ``kv_len``
+  buffers (``use_cuda_graph=True``): ``plan`` writes them in place, ``run`` only launches.
+* Prefills: ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper`` with ``head_dim_qk = N + P``
+  and ``head_dim_vo = V``, one planned wrapper for the new tokens (causal) and one per
+  context chunk; its log-sum-exp is base 2 (FlashInfer's convention) and is converted.
+
+Kernel sizes: FlashInfer's MLA kernels take ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64
+(DeepSeek's), fp16 / bf16, no fp8 latent cache here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from vattn.backends.abstract import CommonAttentionMetadata
+from vattn.backends.flashinfer.paging import gather_page_indices, paged_kv_layout, workspace
+from vattn.backends.mla.common import (
+    MLACommonBackend,
+    MLACommonMetadataBuilder,
+    MLADecodeMetadata,
+    MLAPrefillMetadata,
+)
+from vattn.backends.mla.impl import MLACommonImpl
+
+__all__ = ["FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadataBuilder"]
+
+_LN2 = math.log(2.0)
+_LORA, _ROPE = 512, 64
+
+
+@functools.lru_cache(maxsize=1)
+def _availability() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "FLASHINFER_MLA needs a CUDA GPU and none is visible"
+    try:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
+    except Exception as e:  # ImportError, or a broken CUDA/JIT setup raising at import
+        return False, f"flashinfer.mla is not importable ({type(e).__name__}: {e}); pip install flashinfer-python"
+    return True, ""
+
+
+class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
+    """Plans FlashInfer's MLA decode wrapper and its ragged prefill wrappers once per step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        scales = {layer.impl.scale for layer in self.layers}
+        heads = {layer.impl.num_heads for layer in self.layers}
+        if len(scales) > 1 or len(heads) > 1:
+            raise ValueError(f"FLASHINFER_MLA plans one softmax scale and head count per KV-cache group, but layers "
+                             f"{self.layer_names} have scales {sorted(scales)} and heads {sorted(heads)}; give them "
+                             "equal values or use TRITON_MLA.")
+        self.sm_scale = scales.pop() if scales else (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        self._decode_wrapper: Any = None
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_bufs: dict[str, torch.Tensor] | None = None
+        self._prefill_wrappers: list[Any] = []
+
+    # ---- decode -------------------------------------------------------------------------
+
+    def _graph_buffers(self, width: int) -> dict[str, torch.Tensor]:
+        """Persistent plan buffers of the CUDA-graph wrappers (all batch sizes share them); the
+        page-index buffer holds ``max_graph_reqs`` block-table rows of ``width`` (the capture's)."""
+        if self._graph_bufs is None:
+            n, dev = self.max_graph_reqs, self.device
+            cache = self.layers[0].kv_cache[0] if self.layers else None
+            capacity = n * max(width, 1)
+            if cache is not None and cache.dim() == 3:  # no batch can use more pages than the cache has
+                capacity = min(capacity, cache.shape[0] + n)
+            self._graph_bufs = {
+                "qo_indptr": torch.zeros(n + 1, dtype=torch.int32, device=dev),
+                "kv_indptr": torch.zeros(n + 1, dtype=torch.int32, device=dev),
+                "kv_indices": torch.zeros(capacity, dtype=torch.int32, device=dev),
+                "kv_len": torch.ones(n, dtype=torch.int32, device=dev),
+            }
+        return self._graph_bufs
+
+    def _new_wrapper(self, bs: int | None, width: int = 1) -> Any:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        if bs is None:
+            return BatchMLAPagedAttentionWrapper(workspace(self.device))
+        g = self._graph_buffers(width)
+        return BatchMLAPagedAttentionWrapper(
+            workspace(self.device), use_cuda_graph=True, qo_indptr=g["qo_indptr"][: bs + 1],
+            kv_indptr=g["kv_indptr"][: bs + 1], kv_indices=g["kv_indices"], kv_len_arr=g["kv_len"][:bs])
+
+    def _decode_extras(self, decode: MLADecodeMetadata, cm: CommonAttentionMetadata) -> None:
+        nd = decode.num_decodes
+        qsl = cm.query_start_loc_cpu[: nd + 1]
+        qo_indptr = (qsl - qsl[0]).to(torch.int32)
+        seq = cm.seq_lens_cpu[:nd].to(torch.int32)
+        if decode.cuda_graph:
+            seq = seq.clamp(min=1)  # padding requests: one token on block 0
+        kv_indptr, _ = paged_kv_layout(seq, self.kv_cache_spec.block_size)
+        indices = gather_page_indices(decode.block_table, kv_indptr)
+        if decode.cuda_graph:
+            wrapper = self._graph_wrappers.get(nd)
+            if wrapper is None:
+                wrapper = self._graph_wrappers[nd] = self._new_wrapper(nd, decode.block_table.shape[1])
+            capacity = self._graph_bufs["kv_indices"].numel() if self._graph_bufs else 0
+            if int(kv_indptr[-1]) > capacity:
+                raise ValueError(f"FLASHINFER_MLA: this decode batch needs {int(kv_indptr[-1])} page entries but the "
+                                 f"CUDA-graph index buffer holds {capacity}; capture with block tables as wide as "
+                                 "the longest request will need (CUDAGraphRunner's max_model_len).")
+        else:
+            if self._decode_wrapper is None:
+                self._decode_wrapper = self._new_wrapper(None)
+            wrapper = self._decode_wrapper
+        wrapper.plan(qo_indptr, kv_indptr, indices, seq, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                     self.kv_cache_spec.block_size, True, self.sm_scale, self.model_dtype, self.kv_cache_spec.dtype)
+        decode.plan = wrapper
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    def _plan_ragged(self, index: int, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, causal: bool) -> Any:
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+        while len(self._prefill_wrappers) <= index:
+            self._prefill_wrappers.append(BatchPrefillWithRaggedKVCacheWrapper(workspace(self.device), "NHD"))
+        wrapper = self._prefill_wrappers[index]
+        wrapper.plan(qo_indptr, kv_indptr, self.num_heads, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
+                     head_dim_vo=self.v_head_dim, causal=causal, sm_scale=self.sm_scale,
+                     q_data_type=self.model_dtype, kv_data_type=self.model_dtype)
+        return wrapper
+
+    def _prefill_extras(self, prefill: MLAPrefillMetadata, cm: CommonAttentionMetadata) -> None:
+        q_indptr = prefill.query_start_loc_cpu
+        prefill.plan = self._plan_ragged(0, q_indptr, q_indptr, True)
+        for i, chunk in enumerate(prefill.chunks):
+            chunk.plan = self._plan_ragged(i + 1, q_indptr, chunk.cu_seqlens_cpu, False)
+
+
+class FlashInferMLAImpl(MLACommonImpl):
+    """MLA through FlashInfer: ``run`` of the wrappers the builder planned (no host work here)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != (_LORA, _ROPE):
+            raise ValueError(f"FLASHINFER_MLA: kv_lora_rank / qk_rope_head_dim: expected {_LORA} / {_ROPE} (FlashInfer's "
+                             f"MLA kernels), got {self.kv_lora_rank} / {self.qk_rope_head_dim}; use TRITON_MLA.")
+
+    def _forward_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        md: MLADecodeMetadata, layer: Any) -> torch.Tensor:
+        lora = self.kv_lora_rank
+        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+        md.plan.run(q_nope.contiguous(), q_pe.contiguous(), kv_cache[..., :lora], kv_cache[..., lora:], out=out)
+        return out
+
+    def _prefill_attend(self, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                        max_seqlen_k: int, causal: bool, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        out, lse = plan.run(q.contiguous(), k, v.contiguous(), return_lse=True)
+        return out, lse * _LN2  # FlashInfer's log-sum-exp is base 2
+
+
+class FlashInferMLABackend(MLACommonBackend):
+    """FlashInfer's MLA kernels: fp16/bf16, ``kv_lora_rank`` 512 / ``qk_rope_head_dim`` 64."""
+
+    min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
+    feature_notes: ClassVar[dict[str, str]] = {"head_sizes": "L 512 + P 64"}
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashInferMLAImpl]:
+        return FlashInferMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMLAMetadataBuilder]:
+        return FlashInferMLAMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> tuple[int, ...]:
+        return (_LORA + _ROPE,)
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        return _availability()

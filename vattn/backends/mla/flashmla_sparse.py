@@ -1,0 +1,38 @@
+"""FLASHMLA_SPARSE: FlashMLA's sparse (DeepSeek-V3.2) kernels, which vattn cannot install (see ``unservable``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from vattn.backends.abstract import AttentionImpl
+from vattn.backends.mla.unservable import UnservableMLABackend, unservable_impl
+
+__all__ = ["FlashMLASparseBackend"]
+
+
+class FlashMLASparseBackend(UnservableMLABackend):
+    """FlashMLA's sparse MLA (``flash_mla_sparse_fwd`` over an indexer's top-k tokens): not runnable
+    with this vattn; ``is_available`` says why."""
+
+    supports_sparse: ClassVar[bool] = True
+    library: ClassVar[str] = "flash_mla"
+    needs: ClassVar[str] = ("FlashMLA's sparse kernels (flash_mla_sparse_fwd and the sparse decode of the flash_mla "
+                            "package, github.com/deepseek-ai/FlashMLA, sm_90 / sm_100) and the top-k indexer of "
+                            "DeepSeek-V3.2 sparse attention: flash_mla compiles its CUDA kernels from source when "
+                            "installed, so vattn cannot install it, and vattn.MLAAttention "
+                            "runs no indexer")
+    instead: ClassVar[str] = "run the model's dense MLA (use_sparse=False) on FLASHINFER_MLA or TRITON_MLA"
+    min_compute_capability: ClassVar[tuple[int, int] | None] = (9, 0)
+    feature_notes: ClassVar[dict[str, str]] = {"gpus": "flash_mla, not installable"}
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHMLA_SPARSE"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return unservable_impl(FlashMLASparseBackend)
+
+    @classmethod
+    def get_supported_block_sizes(cls) -> tuple[int, ...]:
+        return (64,)
