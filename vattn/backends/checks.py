@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from vattn import envs
 from vattn.backends.batch_checks import StepChecks, fail
 
 if TYPE_CHECKING:
     from vattn.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
-__all__ = ["check_common_metadata", "check_layer_args", "check_mods", "configuration_reasons", "fail",
-           "feature_reasons"]
+__all__ = ["check_common_metadata", "check_layer_args", "check_mods", "configuration_reasons", "e4m3_cache_reasons",
+           "fail", "feature_reasons", "triton_availability"]
 
 _FIELD = "CommonAttentionMetadata."
 _INTS = (torch.int32, torch.int64)
@@ -257,3 +258,28 @@ def check_mods(mask_mod: Any, score_mod: Any, where: str = "vattn.Attention") ->
                  "write it as FlexAttention defines it (vattn.backends.flex_attention.mods has examples).")
         except ValueError:  # no signature to inspect (a builtin): trust it
             pass
+
+
+def triton_availability(name: str) -> tuple[bool, str]:
+    """``is_available`` of a backend built on vattn's Triton kernels: Triton installed, and a
+    CUDA GPU or ``TRITON_INTERPRET=1`` (the CPU interpreter, for tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed; pip install 'vattn[triton]' (triton>=3.6)"
+    if torch.cuda.is_available() or envs.TRITON_INTERPRET:
+        return True, ""
+    return False, (f"{name} needs a CUDA GPU, or TRITON_INTERPRET=1 to run its kernels on CPU through the "
+                   "Triton interpreter (slow; for tests)")
+
+
+def e4m3_cache_reasons(kv_cache_dtype: str | None) -> list[str]:
+    """Why an e4m3 cache (``fp8`` / ``fp8_e4m3``) cannot be written on this GPU: vattn's Triton
+    KV store needs compute capability 8.9 for e4m3 (empty elsewhere, and on CPU)."""
+    if kv_cache_dtype not in ("fp8", "fp8_e4m3") or not torch.cuda.is_available():
+        return []
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) >= (8, 9):
+        return []
+    return [f"kv_cache_dtype {kv_cache_dtype!r} needs compute capability 8.9 (Triton's e4m3), this GPU has "
+            f"{major}.{minor}; use 'fp8_e5m2'"]

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from vattn.backends.abstract import AttentionBackend
+from vattn.backends.checks import e4m3_cache_reasons
 from vattn.backends.flashinfer.impl import SUPPORTED_ATTN_TYPES, FlashInferImpl
 from vattn.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder
 from vattn.backends.utils import check_kv_cache_shape_args, paged_kv_stride_order
@@ -100,7 +101,4 @@ class FlashInferBackend(AttentionBackend):
             cap = torch.cuda.get_device_capability()
             if dtype == torch.bfloat16 and cap < (8, 0):
                 reasons.append(f"bfloat16 needs compute capability 8.0, this GPU has {cap[0]}.{cap[1]}; use float16")
-            if kv_cache_dtype in ("fp8", "fp8_e4m3") and cap < (8, 9):
-                reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} needs compute capability 8.9 (Triton's e4m3), "
-                               f"this GPU has {cap[0]}.{cap[1]}; use 'fp8_e5m2'")
-        return reasons
+        return reasons + e4m3_cache_reasons(kv_cache_dtype)

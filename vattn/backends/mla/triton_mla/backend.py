@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from vattn import envs
 from vattn.backends.abstract import CommonAttentionMetadata
+from vattn.backends.checks import e4m3_cache_reasons, triton_availability
 from vattn.backends.mla.common import MLACommonBackend, MLACommonMetadataBuilder, MLADecodeMetadata
 from vattn.backends.mla.impl import MLACommonImpl
 from vattn.backends.mla.triton_mla.config import (
@@ -123,25 +123,12 @@ class TritonMLABackend(MLACommonBackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False, "triton is not installed; pip install 'vattn[triton]' (triton>=3.6)"
-        if torch.cuda.is_available() or envs.TRITON_INTERPRET:
-            return True, ""
-        return False, ("TRITON_MLA needs a CUDA GPU, or TRITON_INTERPRET=1 to run its kernels on CPU "
-                       "through the Triton interpreter (slow; for tests)")
+        return triton_availability("TRITON_MLA")
 
     @classmethod
     def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
                                block_size: int, use_mla: bool = False, has_sink: bool = False,
                                use_sparse: bool = False) -> list[str]:
         """The declarations' reasons, and an e4m3 cache on a GPU older than compute capability 8.9."""
-        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla,
-                                                 has_sink, use_sparse)
-        if kv_cache_dtype in ("fp8", "fp8_e4m3") and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            if (major, minor) < (8, 9):
-                reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} needs compute capability 8.9 (Triton's "
-                               f"e4m3), this GPU has {major}.{minor}; use 'fp8_e5m2'")
-        return reasons
+        return super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                                              use_sparse) + e4m3_cache_reasons(kv_cache_dtype)
