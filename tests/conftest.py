@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Iterator
 
 import pytest
 import torch
@@ -46,6 +47,19 @@ def _room_for_many_compiled_models() -> None:
     fails; one test process builds and compiles far more models than that."""
     with torch._dynamo.config.patch(recompile_limit=256):
         yield
+
+
+@pytest.fixture(scope="module")
+def hf_one_thread() -> Iterator[None]:
+    """For modules running tiny transformers models: one intra-op thread (as fast at these
+    shapes, and many times faster on a loaded 2-core box under xdist), transformers' warnings off."""
+    import transformers
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture

@@ -52,6 +52,14 @@ def test_constructor_errors(vattn_config, kwargs, match):
     assert match.split()[0] in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"])
+def test_impl_rejects_num_kv_heads_not_dividing(name):
+    """Impls built directly (not through vattn.Attention) refuse GQA groups of unequal size."""
+    impl_cls = vattn.AttentionBackendEnum[name].get_class().get_impl_cls()
+    with pytest.raises(ValueError, match="num_kv_heads: expected a divisor of num_heads = 8, got 3"):
+        impl_cls(8, 64, 0.125, 3)
+
+
 def test_duplicate_name_and_kv_sharing(vattn_config):
     _layer("a")
     with pytest.raises(ValueError, match="Duplicate layer name: 'a'"):

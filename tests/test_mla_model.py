@@ -15,7 +15,7 @@ import copy
 import functools
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -60,13 +60,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("hf_one_thread")
 
 
 @pytest.fixture

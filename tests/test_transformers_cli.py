@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -21,13 +20,7 @@ from examples import generate  # noqa: E402
 from examples.hf_model import save_random_checkpoint  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("hf_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -34,14 +34,7 @@ from examples.hf_model import FAMILIES, random_model, save_random_checkpoint, ti
 from vattn.integrations import transformers as vt  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    """Tiny shapes: one intra-op thread is as fast, and on a loaded 2-core box (xdist) many times faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("hf_one_thread")
 
 
 # (prompt length, arrival step): the third prompt joins at step 3, while the others decode.

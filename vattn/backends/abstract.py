@@ -265,6 +265,9 @@ class AttentionImpl(ABC, Generic[M]):
         self.num_heads, self.head_size = num_heads, head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{type(self).__name__} num_kv_heads: expected a divisor of num_heads = {num_heads}, "
+                             f"got {self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads.")
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         # (left, right) window in tokens, as FlashAttention takes it; None = unlimited.

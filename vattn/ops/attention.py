@@ -20,7 +20,7 @@ from vattn.config import get_current_vattn_config
 from vattn.forward_context import get_forward_context, is_forward_context_available
 from vattn.ops.library import register_op
 
-__all__ = ["check_call", "maybe_calc_kv_scales", "unified_attention", "unified_attention_with_output"]
+__all__ = ["check_call", "check_traced", "maybe_calc_kv_scales", "unified_attention", "unified_attention_with_output"]
 
 _NO_CACHE = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
@@ -141,8 +141,8 @@ def unified_attention_with_output(
     _run_layer(query, key, value, output, layer_name, output_scale)
 
 
-def _check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str) -> None:
-    """The layer's input checks at trace time (``Attention.check_traced_inputs``), when the
+def check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str) -> None:
+    """The layer's input checks at trace time (``Attention`` or ``MLAAttention.check_traced_inputs``), when the
     layer can be found (a forward context, or the current config, names it)."""
     layer = None
     if is_forward_context_available():
@@ -161,7 +161,7 @@ def _unified_attention_with_output_fake(
     layer_name: str,
     output_scale: torch.Tensor | None = None,
 ) -> None:
-    _check_traced(query, key, value, layer_name)
+    check_traced(query, key, value, layer_name)
 
 
 register_op(
@@ -182,7 +182,7 @@ def unified_attention(
 def _unified_attention_fake(
     query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
 ) -> torch.Tensor:
-    _check_traced(query, key, value, layer_name)
+    check_traced(query, key, value, layer_name)
     return torch.empty_like(query).contiguous()
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from vattn.config import get_current_vattn_config
-from vattn.forward_context import get_forward_context, is_forward_context_available
-from vattn.ops.attention import check_call
+from vattn.forward_context import get_forward_context
+from vattn.ops.attention import check_call, check_traced
 from vattn.ops.kv_store import quantize_to_cache
 from vattn.ops.library import register_op
 
@@ -103,13 +102,7 @@ def _unified_mla_attention_with_output_fake(
     layer_name: str,
     output_scale: torch.Tensor | None = None,
 ) -> None:
-    layer = None
-    if is_forward_context_available():
-        layer = get_forward_context().no_compile_layers.get(layer_name)
-    if layer is None:
-        layer = get_current_vattn_config().compilation.static_forward_context.get(layer_name)
-    if layer is not None:
-        layer.check_traced_inputs(q, kv_c_normed, k_pe)
+    check_traced(q, kv_c_normed, k_pe, layer_name)
 
 
 register_op(

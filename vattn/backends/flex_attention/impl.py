@@ -60,9 +60,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         name = self.backend_name
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{name} num_kv_heads: expected a divisor of num_heads = {num_heads}, got "
-                             f"{self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads.")
         if attn_type != AttentionType.DECODER:
             raise _refuse(name, "attn_type", f"{AttentionType.DECODER!r}", attn_type,
                           "use TORCH_SDPA for encoder and cross-attention.")

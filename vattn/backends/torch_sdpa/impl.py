@@ -39,11 +39,6 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"TORCH_SDPA num_kv_heads: expected a divisor of num_heads = {num_heads}, got "
-                f"{self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads."
-            )
         if attn_type not in AttentionType.ALL:
             raise ValueError(
                 f"TORCH_SDPA attn_type: expected one of {AttentionType.ALL}, got {attn_type!r}; "

@@ -94,11 +94,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"TRITON_ATTN num_kv_heads: expected a divisor of num_heads = {num_heads}, got "
-                f"{self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads."
-            )
         if attn_type not in SUPPORTED_ATTN_TYPES:
             raise NotImplementedError(
                 f"TRITON_ATTN attn_type: expected one of {SUPPORTED_ATTN_TYPES}, got {attn_type!r}; use "

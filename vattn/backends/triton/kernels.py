@@ -43,26 +43,10 @@ import triton
 import triton.language as tl
 
 from vattn.kernels.fp8 import round_to_fp8_grid, to_cache_dtype
+from vattn.kernels.reduce import MAX as _MAX
+from vattn.kernels.reduce import SUM as _SUM
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _max2(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add2(a, b):
-    return a + b
-
-
-# Row reductions go through tl.reduce with Triton's own combiners (what tl.max / tl.sum use;
-# the CPU interpreter reduces those with numpy) so that no triton.language @jit helper is
-# called: those are compiled-mode objects unless TRITON_INTERPRET was set before triton was
-# imported, and the tests build these kernels in interpreter mode after the fact.
-_MAX = getattr(tl.standard, "_elementwise_max", _max2)
-_SUM = getattr(tl.standard, "_sum_combine", _add2)
 
 
 @triton.jit

@@ -23,21 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _max2(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add2(a, b):
-    return a + b
-
-
-# Reductions through tl.reduce with Triton's own combiners (no triton.language @jit helper is
-# called: tests build these kernels for the interpreter after triton was imported).
-_MAX = getattr(tl.standard, "_elementwise_max", _max2)
-_SUM = getattr(tl.standard, "_sum_combine", _add2)
+from vattn.kernels.reduce import MAX as _MAX
+from vattn.kernels.reduce import SUM as _SUM
 
 
 @triton.jit
