@@ -32,14 +32,13 @@ CPU smoke test: ``--device cpu --tiny --backends TORCH_SDPA``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,16 +173,6 @@ def transient_bytes(provider: str, pt: Point, args: argparse.Namespace) -> int:
     return io + 512 * 2**20  # workspaces, plans
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 # ---- providers -------------------------------------------------------------------------
 
 
@@ -198,7 +187,7 @@ def prepare_vattn(name: str, case: Case, args: argparse.Namespace) -> Prepared:
     if reasons:
         raise Skip("; ".join(reasons))
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size, cache_dtype=pt.kv_dtype))
-    with vattn.set_current_vattn_config(cfg), default_dtype(args.dtype):
+    with vattn.set_current_vattn_config(cfg), common.default_dtype(args.dtype):
         layer = vattn.Attention(args.num_heads, pt.head_dim, pt.head_dim**-0.5, num_kv_heads=args.num_kv_heads,
                                 prefix=LAYER, attn_backend=backend)
     layer.to(args.device)

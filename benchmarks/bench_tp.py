@@ -5,15 +5,17 @@ Model: the Llama-3-8B shape (32 layers, hidden 4096, 32 q / 8 KV heads, head dim
 128256), random weights, bf16, ``examples.model.DecoderForCausalLM`` on ``examples.tp``. Launch
 one process per GPU::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py            # batch 1 and 64, context 1024
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --compile  # the model through vattn.compile
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --compile  # TP 1, 2, 4; batch 1 and 64, context 1024
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py            # TP 1, 2; the eager model
 
 Every rank first measures TP=1 on its own GPU (its own full model; only rank 0's figures are
-kept), then the world's ranks measure TP=N together, once per all-reduce implementation
-(``--allreduce``): ``functional`` (``torch.distributed._functional_collectives.all_reduce``:
-NCCL), ``symm_mem`` (PyTorch's one-shot symmetric-memory all-reduce, P2P over NVLink, no
-multicast; skipped where unavailable) and ``none`` (the collectives removed: wrong numbers,
-the step's compute alone, for the in-situ communication cost).
+kept). Then for each TP size n of ``--tp-sizes`` (default 2, 4, ... up to the world) the world
+splits into groups of n consecutive ranks that run side by side (rank 0's group reports), once per
+all-reduce (``--allreduce``): ``auto`` (``examples/allreduce.py``: PyTorch's symmetric-memory
+one-shot or two-shot all-reduce by message size, P2P over NVLink, no multicast, NCCL above;
+NCCL throughout where symmetric memory is unavailable), ``nccl`` (c10d's functional all-reduce
+alone) and ``none`` (the collectives removed: wrong numbers, the step's compute alone, for the
+in-situ communication cost).
 
 A step is a uniform decode batch (``--batches``) of requests with ``--context`` tokens of random
 K/V already in their paged caches, run through ``vattn.CUDAGraphRunner`` (FULL graphs: the
@@ -28,8 +30,8 @@ all-reduces are inside the captured graph). Per row:
 | ``comm_in_situ_ms`` / ``comm_in_situ_share`` | ``graph_ms`` minus the ``none`` row's ``graph_ms`` (waiting for the slower rank included), and over ``graph_ms`` |
 | ``x_tp1_graph`` / ``x_tp1_step`` | the row's time over the TP=1 row of the same batch |
 
-``summary.target``: TP=N at batch 1 at most 0.65x the TP=1 step time (``graph_ms``; the best real
-all-reduce). Timing loops run a fixed number of iterations on every rank (collectives must match),
+``summary.targets``: TP=2 at batch 1 at most 0.65x the TP=1 step time (``graph_ms``, the best real
+all-reduce), TP=4 at batch 1 at most 0.45x, TP=2 at batch 64 at most 0.6x. Timing loops run a fixed number of iterations on every rank (collectives must match),
 after a barrier. Writes ``tp-<device>-<date>.json`` (rank 0) to $OUT or benchmarks/results/.
 ``--device cpu --preset tiny`` runs the same code with gloo and no CUDA graphs (a smoke test).
 """
@@ -56,9 +58,13 @@ from examples.gemv import OneTokenGemv  # noqa: E402
 from benchmarks.common import (Table, env_info, fill_random_kv_, free_memory, progress, token_counts,  # noqa: E402
                                split_kv_cache, write_results)
 from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
-from examples.tp import TensorParallel, init_tensor_parallel  # noqa: E402
+from examples.tp import TensorParallel, tensor_parallel_run  # noqa: E402
 
 BLOCK = 16
+
+
+TARGETS = ((2, 1, 0.65), (4, 1, 0.45), (2, 64, 0.6))  # (tp, batch, most graph_ms over TP=1's)
+IMPLS = ("auto", "nccl", "none")
 
 
 class _NoComm(TensorParallel):
@@ -78,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
-    p.add_argument("--allreduce", default="functional,symm_mem,none")
+    p.add_argument("--allreduce", default=",".join(IMPLS), help="all-reduces to measure: auto, nccl, none")
+    p.add_argument("--tp-sizes", default=None, help="TP sizes above 1, comma-separated (default: 2, 4, ... up to the world)")
     p.add_argument("--compile", action="store_true", help="vattn.compile the model (FULL_AND_PIECEWISE graphs)")
     p.add_argument("--backend", default=None, help="force a vattn attention backend")
     p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
@@ -87,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.batches = sorted({int(b) for b in args.batches.split(",")})
     args.allreduce = [a for a in args.allreduce.split(",") if a]
-    unknown = set(args.allreduce) - {"functional", "symm_mem", "none"}
+    unknown = set(args.allreduce) - set(IMPLS)
     if unknown:
-        p.error(f"--allreduce: unknown {sorted(unknown)}; choose from functional, symm_mem, none.")
+        p.error(f"--allreduce: unknown {sorted(unknown)}; choose from {', '.join(IMPLS)}.")
+    args.tp_sizes = sorted({int(n) for n in args.tp_sizes.split(",")}) if args.tp_sizes else None
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     args.reps = 30 if args.quick else args.reps
     return args
@@ -266,25 +274,46 @@ def topology(device: torch.device, world: int) -> dict[str, Any]:
     return {"peer_access": peer, "nvidia_smi_topo": topo, "nccl": nccl, "world": world}
 
 
-def summarize(rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """Ratios to TP=1 on every row; the issue's target at batch 1."""
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios to TP=1 on every row; the issue's targets (best real all-reduce per TP size and batch)."""
     tp1 = {r["batch"]: r for r in rows if r["tp"] == 1}
-    none = {r["batch"]: r for r in rows if r["tp"] > 1 and r["allreduce"] == "none"}
+    none = {(r["tp"], r["batch"]): r for r in rows if r["tp"] > 1 and r["allreduce"] == "none"}
     for r in rows:
         if r["batch"] in tp1:
             r["x_tp1_graph"] = r["graph_ms"] / tp1[r["batch"]]["graph_ms"]
             r["x_tp1_step"] = r["step_ms"] / tp1[r["batch"]]["step_ms"]
-        if r["tp"] > 1 and r["allreduce"] != "none" and r["batch"] in none:
-            r["comm_in_situ_ms"] = r["graph_ms"] - none[r["batch"]]["graph_ms"]
+        base = none.get((r["tp"], r["batch"]))
+        if r["tp"] > 1 and r["allreduce"] != "none" and base is not None:
+            r["comm_in_situ_ms"] = r["graph_ms"] - base["graph_ms"]
             r["comm_in_situ_share"] = r["comm_in_situ_ms"] / r["graph_ms"]
-    real = [r for r in rows if r["tp"] == world and r["allreduce"] not in ("none", "-") and r["batch"] == 1
-            and "x_tp1_graph" in r]
-    best = min(real, key=lambda r: r["graph_ms"], default=None)
-    return {"target": {
-        "what": f"TP={world} at batch 1 at most 0.65x the TP=1 step time (graph_ms, best all-reduce)",
-        "ratio": best["x_tp1_graph"] if best else None, "ratio_step_ms": best["x_tp1_step"] if best else None,
-        "allreduce": best["allreduce"] if best else None,
-        "met": bool(best and best["x_tp1_graph"] <= 0.65)}}
+    targets = []
+    for n, batch, most in TARGETS:
+        real = [r for r in rows if r["tp"] == n and r["batch"] == batch and r["allreduce"] not in ("none", "-")
+                and "x_tp1_graph" in r]
+        best = min(real, key=lambda r: r["graph_ms"], default=None)
+        targets.append({"what": f"TP={n} at batch {batch} at most {most}x the TP=1 step (graph_ms, best all-reduce)",
+                        "tp": n, "batch": batch, "at_most": most,
+                        "ratio": best["x_tp1_graph"] if best else None,
+                        "ratio_step_ms": best["x_tp1_step"] if best else None,
+                        "allreduce": best["allreduce"] if best else None,
+                        "met": None if best is None else bool(best["x_tp1_graph"] <= most)})
+    return {"targets": targets}
+
+
+def tp_groups(world_tp: TensorParallel, sizes: list[int]) -> dict[int, TensorParallel]:
+    """Per TP size n: this rank's ``TensorParallel`` in its group of n consecutive ranks (every rank
+    creates every group, as ``new_group`` requires)."""
+    out = {}
+    for n in sizes:
+        if n == world_tp.size:
+            out[n] = world_tp
+            continue
+        for start in range(0, world_tp.size, n):
+            ranks = list(range(start, start + n))
+            group = dist.new_group(ranks)
+            if world_tp.rank in ranks:
+                out[n] = TensorParallel(world_tp.rank - start, n, group)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -293,51 +322,70 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("bench_tp.py needs CUDA GPUs (or --device cpu --preset tiny for a smoke run).")
     if not dist.is_torchelastic_launched():
         raise SystemExit("launch with torchrun: `torchrun --nproc-per-node 2 benchmarks/bench_tp.py`.")
-    world_tp, device = init_tensor_parallel(None, args.device, timeout=timedelta(minutes=30))
-    lead, world, group = world_tp.rank == 0, world_tp.size, world_tp.group
+    with tensor_parallel_run(None, args.device, timeout=timedelta(minutes=30)) as (world_tp, device):
+        return run(args, world_tp, device)
+
+
+def run(args: argparse.Namespace, world_tp: TensorParallel, device: torch.device) -> dict[str, Any]:
+    lead, world = world_tp.rank == 0, world_tp.size
+    sizes = args.tp_sizes or [n for n in (2, 4, 8, 16) if n <= world]
+    bad = [n for n in sizes if n < 2 or world % n]
+    if bad:
+        raise SystemExit(f"--tp-sizes {bad}: each must be above 1 and divide the {world} ranks torchrun started.")
+    groups = tp_groups(world_tp, sizes)
     hidden = get_preset(args.preset).hidden_size
     num_blocks = 1 + max(args.batches) * math.ceil((args.context + 1) / BLOCK)
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     t0 = time.perf_counter()
-    model = cfg = kv = None
     backend = "?"
-    for job in progress(["tp1", *(args.allreduce if world > 1 else [])], desc="tp", disable=not lead):
-        if job == "tp1":  # every rank alone on its own GPU, at the same time; rank 0's rows are kept
-            model, cfg, kv = build(args, TensorParallel(), device, num_blocks)
-            backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
-            rows += measure(model, cfg, kv, TensorParallel(), "-", args, device, None)
+    jobs = [(1, "-"), *((n, impl) for n in sizes for impl in args.allreduce)]
+    model = cfg = kv = None
+    built_for = None
+    for n, impl in progress(jobs, desc="tp", disable=not lead):
+        tp = groups.get(n, TensorParallel())
+        if built_for != n:  # one model per TP size, its layers pointed at each all-reduce in turn
             model = cfg = kv = None
             free_memory()
-            dist.barrier()
-            continue
-        if model is None:  # TP=N: one model, its layers pointed at each all-reduce in turn
-            model, cfg, kv = build(args, world_tp, device, num_blocks)
-        tp: TensorParallel = world_tp
-        if job == "none":
-            tp = _NoComm(world_tp.rank, world, group)
-        elif job == "symm_mem":
-            tp = TensorParallel(world_tp.rank, world, group)
+            model, cfg, kv = build(args, tp, device, num_blocks)
+            backend = model.model.layers[0].self_attn.attn.attn_backend.get_name()
+            built_for = n
+        if impl == "none":
+            tp = _NoComm(tp.rank, n, tp.group)
+        elif impl == "auto":
+            tp.algorithm = "auto"
             if not tp.enable_symm_mem(max(args.batches), hidden, args.dtype, device):
-                skipped["symm_mem"] = "symmetric memory unavailable here (see the log)"
-                continue
+                skipped[f"tp{n} auto"] = "symmetric memory unavailable here (see the log): auto is NCCL throughout"
+        elif impl == "nccl":
+            tp.disable_symm_mem()
+            tp.algorithm = "nccl"
         try:
-            new = measure(model, cfg, kv, tp, job, args, device, group)
+            new = measure(model, cfg, kv, tp, impl, args, device, tp.group)
         except Exception as e:  # keep the other all-reduces' figures (every rank fails alike)
-            skipped[job] = f"{type(e).__name__}: {e}"[:800]
+            skipped[f"tp{n} {impl}"] = f"{type(e).__name__}: {e}"[:800]
             if lead:
-                print(f"{job}: failed: {skipped[job]}", flush=True)
+                print(f"tp{n} {impl}: failed: {skipped[f'tp{n} {impl}']}", flush=True)
             continue
+        finally:
+            if n > 1 and impl != "none":
+                tp.disable_symm_mem()
         rows += new
         if lead:
             for r in new:
-                print(f"{job} b{r['batch']}: graph {r['graph_ms']:.3f} ms, step {r['step_ms']:.3f} ms", flush=True)
+                print(f"tp{n} {impl} b{r['batch']}: graph {r['graph_ms']:.3f} ms, step {r['step_ms']:.3f} ms", flush=True)
+        if n == 1:
+            dist.barrier()  # TP=1 ran on every rank alone; the groups start together
+    model = cfg = kv = None
+    free_memory()
     summary = {"preset": args.preset, "dtype": str(args.dtype), "context": args.context, "compile": args.compile,
-               "compile_sizes": args.compile_sizes,
+               "compile_sizes": args.compile_sizes, "tp_sizes": [1, *sizes],
                "attention_backend": backend, "world": world, "skipped": skipped,
-               "seconds": time.perf_counter() - t0, "topology": topology(device, world), **summarize(rows, world),
+               "seconds": time.perf_counter() - t0, "topology": topology(device, world), **summarize(rows),
                "notes": ["TP=1 rows: every rank measured alone on its own GPU at the same time; rank 0's kept",
-                         "allreduce 'none': collectives removed (the compute alone; wrong numbers)",
+                         "TP=n < world: the world's groups of n ranks ran side by side; rank 0's group reported",
+                         "allreduce 'auto': symmetric-memory one-/two-shot by message size, NCCL above; "
+                         "'nccl': c10d functional all-reduce; 'none': collectives removed (the compute alone; "
+                         "wrong numbers)",
                          "graph_ms: CUDA-event median of the full-graph replay; step_ms: wall median of "
                          "runner call + LM head (vocab all-gather) + argmax, synchronised"]}
     out: dict[str, Any] = {"rows": rows, "summary": summary}
@@ -348,9 +396,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       title=f"tensor-parallel decode ({args.preset}, context {args.context}, {backend})")
         table.extend(rows)
         table.print()
-        print(f"target: {summary['target']}\nwrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+        for t in summary["targets"]:
+            print(f"target: {t['what']}: {t['ratio']} ({t['allreduce']}) met={t['met']}")
+        print(f"wrote {path}")
     return out
 
 

@@ -18,6 +18,7 @@ the vattn package itself reads none outside ``vattn/envs.py``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import importlib.metadata as _md
@@ -402,6 +403,17 @@ def profile_kernels(fn: Callable[[], Any], *, steps: int = 3, top: int = 25) -> 
     return {"kernels_per_step": sum(len(v) for v in by.values()) / steps,
             "kernel_ms_per_step": sum(sum(v) for v in by.values()) / steps,
             "copies_per_step": copies / steps, "top": rows[:top]}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build under ``dtype`` (vattn layers record the default dtype at construction as the model's)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def free_memory() -> None:

@@ -63,14 +63,24 @@ class KeyTable:
 
     ``best`` = (group column, minimised column): keep one row per group, the one with the least value.
     ``skip`` = (column, value): leave out the rows that have it.
+    ``only`` = (column, values): keep only the rows whose column holds one of the values.
+    At most ``_MAX_KEY_ROWS`` rows are shown; the JSON has them all.
     """
 
     columns: tuple[str, ...]
     best: tuple[str, str] | None = None
     skip: tuple[str, Any] | None = None
+    only: tuple[str, tuple[Any, ...]] | None = None
 
 
 _KEY_TABLES: dict[str, KeyTable] = {
+    "allreduce": KeyTable(("group", "tokens", "bytes", "one_shot_us", "two_shot_us", "nccl_us", "best"),
+                          only=("tokens", (1, 16, 64, 1024))),
+    "engine-ab": KeyTable(("tree", "async_scheduling", "step_ms", "common_metadata_ms", "prepare_ms"),
+                          only=("round", (1,))),
+    "flex": KeyTable(("case", "mask", "provider", "block_size", "ms", "tflops")),
+    "mla": KeyTable(("backend", "phase", "impl", "batch", "context", "heads", "ms", "tbps", "ms_per_step",
+                     "speedup_vs_hf"), skip=("timed", "layer")),
     "compile-coldstart": KeyTable(("phase", "layers", "ttft_s", "import_s", "compile_s", "dynamo_tracing_s",
                                    "backend_s", "capture_total_s", "first_step_s")),
     "compile-decode": KeyTable(("impl", "batch", "step_ms", "replay_ms", "host_ms", "x_floor",
@@ -94,6 +104,8 @@ _KEY_TABLES: dict[str, KeyTable] = {
 }
 #: Columns and rows shown of a kind without a KeyTable.
 _DEFAULT_COLUMNS, _DEFAULT_ROWS = 8, 12
+_MAX_KEY_ROWS = 12
+_MAX_PROBE_ROWS = 10
 _NOTE_KEYS = ("command", "note", "finding", "what")
 
 
@@ -310,6 +322,9 @@ def key_rows(kind: str, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], l
             shown = [r for r in shown if r.get(spec.skip[0]) != spec.skip[1]]
             if len(shown) < len(rows):
                 notes.append(f"without the {spec.skip[0]} {spec.skip[1]} rows")
+        if spec.only is not None:
+            shown = [r for r in shown if r.get(spec.only[0]) in spec.only[1]]
+            notes.append(f"the rows of {spec.only[0]} " + ", ".join(fmt(v) for v in spec.only[1]))
         if spec.best is not None:
             group, value = spec.best
             best: dict[Any, Mapping[str, Any]] = {}
@@ -319,6 +334,9 @@ def key_rows(kind: str, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], l
                     best[row.get(group)] = row
             shown = list(best.values())
             notes.append(f"the least {value} of {len(rows)} rows per {group}")
+    if spec is not None and len(shown) > _MAX_KEY_ROWS:
+        notes.append(f"the first {_MAX_KEY_ROWS} of {len(shown)} such rows")
+        shown = shown[:_MAX_KEY_ROWS]
     if len(shown) > 1:
         same = [c for c in keep if shown[0].get(c) is not None and all(r.get(c) == shown[0].get(c) for r in shown)]
         keep = [c for c in keep if c not in same]
@@ -362,10 +380,10 @@ def render_kind(kind: str, results: Sequence[Mapping[str, Any]], link_dir: Path,
     summary = r["summary"]
     for key in _NOTE_KEYS:
         if isinstance(summary.get(key), str):
-            lines += [f"{key.capitalize()}: {clip(summary[key], 180)}", ""]
+            lines += [f"{key.capitalize()}: {clip(summary[key], 140)}", ""]
     targets = _targets(summary.get("targets"))
     if targets:
-        lines += [f"Targets: {clip(targets, 300)}", ""]
+        lines += [f"Targets: {clip(targets, 240)}", ""]
     cols, rows, caption = key_rows(kind, r["rows"])
     if rows:
         table = Table(cols)
@@ -410,14 +428,20 @@ def render_probes(kinds: Mapping[str, Sequence[Mapping[str, Any]]], notes: Mappi
              "is what [`docs/performance-notes.md`](../docs/performance-notes.md) says with the probe's file "
              "cited, else the start of the JSON's `note`.", "",
              "| probe | files | finding |", "| --- | --- | --- |"]
-    for kind in sorted(kinds):
+    newest = sorted(kinds, key=lambda k: (str(kinds[k][-1]["env"].get("date") or ""), k), reverse=True)
+    shown = sorted(newest[:_MAX_PROBE_ROWS])
+    for kind in shown:
         runs = kinds[kind]
         r = runs[-1]
         summary = r["summary"]
         finding = next((notes[x["_path"].stem] for x in reversed(runs) if x["_path"].stem in notes), "") or next(
             (summary[k] for k in ("note", "finding", "what") if isinstance(summary.get(k), str)), "")
         lines.append(f"| {kind} | {_day_list(kind, runs)} | "
-                     f"{fmt(clip(finding, 120)) if finding else '(per-kernel tables only)'} |")
+                     f"{fmt(clip(finding, 80)) if finding else '(per-kernel tables only)'} |")
+    older = sorted(set(kinds) - set(shown))
+    if older:
+        lines += ["", f"Older probes ({len(older)}; their files are in the results folder): "
+                  + ", ".join(f"`{k}`" for k in older)]
     return "\n".join(lines) + "\n"
 
 

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 import vattn
@@ -121,6 +122,43 @@ class BlockAllocator:
         assert len(owned) + len(self._free) == self.num_blocks, "blocks leaked"
 
 
+class BlockTables:
+    """The block ids of every request that holds blocks, one row each of one numpy array (rows
+    reused as requests come and go), so that a step's block table is one row gather rather than a
+    conversion of Python lists. Columns past a request's own blocks hold stale ids; the metadata
+    reads and checks only the first ``ceil(seq_len / block_size)`` of each row."""
+
+    def __init__(self, rows: int, width: int = 16) -> None:
+        self.ids = np.zeros((rows, width), dtype=np.int32)
+        self._row: dict[int, int] = {}
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def extend(self, req_id: int, start: int, blocks: list[int]) -> None:
+        """Write ``blocks`` into request ``req_id``'s row from column ``start`` (a row on first use)."""
+        row = self._row.get(req_id)
+        if row is None:
+            if not self._free_rows:  # more requests hold blocks than rows: double the rows
+                n = self.ids.shape[0]
+                self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+                self._free_rows = list(range(2 * n - 1, n - 1, -1))
+            row = self._row[req_id] = self._free_rows.pop()
+        end = start + len(blocks)
+        if end > self.ids.shape[1]:  # a longer request than any before: double the columns
+            grown = np.zeros((self.ids.shape[0], max(end, 2 * self.ids.shape[1])), dtype=np.int32)
+            grown[:, : self.ids.shape[1]] = self.ids
+            self.ids = grown
+        self.ids[row, start:end] = blocks
+
+    def release(self, req_id: int) -> None:
+        row = self._row.pop(req_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def gather(self, req_ids: list[int], width: int) -> np.ndarray:
+        """(len(req_ids), width) int32: the rows of these requests, in this order."""
+        return self.ids[[self._row[r] for r in req_ids], :width]
+
+
 class Scheduler:
     """Continuous batching with chunked prefill under ``max_num_batched_tokens`` (decodes first)."""
 
@@ -137,6 +175,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        self.block_tables = BlockTables(max_num_seqs)
 
     def add(self, req: Request) -> None:
         need = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // self.block_size)
@@ -166,11 +205,13 @@ class Scheduler:
         blocks = self.allocator.allocate(need, req.req_id)
         if blocks is None:
             return False
+        self.block_tables.extend(req.req_id, len(req.block_ids), blocks)
         req.block_ids += blocks
         return True
 
     def _preempt(self, req: Request) -> None:
         self.allocator.free(req.block_ids, req.req_id)
+        self.block_tables.release(req.req_id)
         req.block_ids, req.num_computed_tokens = [], 0
         req.num_preemptions += 1
         self.running.remove(req)
@@ -219,6 +260,7 @@ class Scheduler:
                 req.output_token_ids.append(sampled[req.req_id])
                 if req.finished:
                     self.allocator.free(req.block_ids, req.req_id)
+                    self.block_tables.release(req.req_id)
                     req.block_ids = []
                     self.running.remove(req)
                     self.finished.append(req)
@@ -393,7 +435,8 @@ class Engine:
         common = vattn.build_common_attn_metadata(
             query_lens=[n for _, n in scheduled],
             num_computed_tokens=[r.num_computed_tokens for r, _ in scheduled],
-            block_tables=[r.block_ids for r, _ in scheduled],
+            block_tables=self.scheduler.block_tables.gather(
+                [r.req_id for r, _ in scheduled], max(len(r.block_ids) for r, _ in scheduled)),
             block_size=self.block_size, device=self.device, num_tokens_padded=t_pad)
         pad = [0] * (t_pad - t)
         # Each input a tensor of its own (a compiled model guards on views and storage offsets).

@@ -32,7 +32,6 @@ With ``--compile`` a warm-up request runs first and its time is reported separat
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import sys
 import time
@@ -49,7 +48,7 @@ import vattn
 from examples.engine import Engine, SamplingParams
 from examples.gemv import OneTokenGemv
 from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_weights
-from examples.tp import TensorParallel, init_tensor_parallel
+from examples.tp import TensorParallel, tensor_parallel_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sync on every step's tokens instead of preparing the next step while the GPU runs "
                         "(Engine(async_scheduling=False); the tokens are the same)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun --nproc-per-node N)")
-    p.add_argument("--symm-mem", action="store_true",
-                   help="with --tp on GPUs: one-shot symmetric-memory all-reduce instead of NCCL")
+    p.add_argument("--allreduce", default="auto", choices=["auto", "nccl"],
+                   help="with --tp on GPUs: auto = symmetric-memory one-/two-shot all-reduce by message size where "
+                        "the GPUs have peer access, NCCL for large messages (examples/allreduce.py); nccl = NCCL only")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (prompts are in [len/2, len])")
     p.add_argument("--output-len", type=int, default=32, help="longest output (outputs are in [len/2, len])")
@@ -256,22 +256,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    had_group = torch.distributed.is_initialized()
-    tp, device = init_tensor_parallel(args.tp, args.device)
-    args.device = str(device)
-    owns_group = not had_group and torch.distributed.is_initialized()
-    try:
-        result = _run(args, tp)
-        if owns_group:  # every rank past its last collective before any rank tears the group down
-            torch.distributed.barrier()
-        return result
-    finally:
-        if owns_group:
-            # Free what the run left in reference cycles (model, engine, their group handles)
-            # while the interpreter is alive: without this, gloo's teardown at interpreter exit
-            # aborted rank 0 about one run in seven under load (tests/test_tp.py's CLI test).
-            gc.collect()
-            torch.distributed.destroy_process_group()
+    # Under torchrun: a clean leave after the last step, and a failing rank exits with its error
+    # (torchrun then stops the others) instead of leaving them waiting in a collective.
+    with tensor_parallel_run(args.tp, args.device) as (tp, device):
+        args.device = str(device)
+        return _run(args, tp)
 
 
 def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
@@ -282,9 +271,9 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
         model, cfg, kv, tokenizer, prompts = build_hf(args)
     else:
         model, cfg, kv = build(args, tp)
-    if args.symm_mem and not tp.enable_symm_mem(max(args.max_num_batched_tokens, args.max_num_seqs),
-                                                 model.config.hidden_size, DTYPES[args.dtype], kv_device(kv)):
-        print("--symm-mem: not available here (see the warning); using NCCL.", file=sys.stderr)
+    if tp.size > 1 and args.allreduce == "auto" and kv_device(kv).type == "cuda":
+        tp.enable_symm_mem(max(args.max_num_batched_tokens, args.max_num_seqs), model.config.hidden_size,
+                           DTYPES[args.dtype], kv_device(kv))  # False (logged): NCCL throughout
     backend = next(iter(cfg.attention_layers().values())).attn_backend.get_name()
     forward_fn: Callable[..., torch.Tensor] = model
     if args.compile:
@@ -293,6 +282,17 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
     if args.cudagraph:
         runner = make_cudagraph_runner(forward_fn, cfg, kv, args.max_num_seqs, args.prompt_len + args.output_len,
                                        not args.no_progress)
+    try:
+        return _generate(args, tp, model, cfg, kv, forward_fn, runner, tokenizer, prompts, backend)
+    finally:
+        if runner is not None:  # before any process group goes: graphs holding NCCL kernels block its destroy
+            runner.release()
+
+
+def _generate(args: argparse.Namespace, tp: TensorParallel, model: Any, cfg: vattn.VattnConfig, kv: Any,
+              forward_fn: Callable[..., torch.Tensor], runner: Any, tokenizer: Any, prompts: Any,
+              backend: str) -> dict[str, Any]:
+    lead = tp.rank == 0
 
     def new_engine() -> Engine:
         return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -346,7 +346,8 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
         result["texts"] = [completion_text(tokenizer, r.output_token_ids) for r in requests]
     if not lead:
         return result
-    print(f"model {args.hf or args.preset} ({args.dtype}, {args.device}, tp={tp.size}), backend {backend}, "
+    tp_note = f" with {'symmetric-memory + ' if tp.symm_mem is not None else ''}c10d all-reduce" if tp.size > 1 else ""
+    print(f"model {args.hf or args.preset} ({args.dtype}, {args.device}, tp={tp.size}{tp_note}), backend {backend}, "
           f"compile={args.compile}, scheduling={'sync' if args.sync_scheduling else 'async'}, "
           f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"
           + (f" (+{warmup_s:.1f} s warm-up)" if warmup_s else ""))

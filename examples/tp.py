@@ -16,12 +16,19 @@ heads ``[r*Hk/n, (r+1)*Hk/n)``; when ``n > Hk`` (``n`` a multiple of ``Hk``) eac
 replicated on ``n/Hk`` ranks and rank ``r`` holds KV head ``r // (n/Hk)``, which is the head its
 query heads belong to. Each rank's ``vattn.Attention`` and paged KV cache see only its own heads.
 
-Collectives are ``torch.distributed._functional_collectives`` (``all_reduce``,
-``all_gather_tensor``): Dynamo traces them into the graph (``_c10d_functional`` ops, no graph
-break) with ``fullgraph=True``, under gloo on the CPU and NCCL on GPUs, and CUDA graphs capture
-them. On GPUs ``TensorParallel.enable_symm_mem`` switches the row-parallel all-reduces to
-PyTorch's one-shot symmetric-memory kernel (``torch.ops.symm_mem.one_shot_all_reduce_copy``,
-peer-to-peer loads over NVLink, no multicast), which is faster than NCCL for small decode messages.
+Collectives: the all-reduce is one opaque op, ``torch.ops.vattn_examples.all_reduce``
+(examples/allreduce.py), which picks PyTorch's one-shot or two-shot symmetric-memory all-reduce
+(P2P loads over NVLink, no multicast) or NCCL by message size once ``enable_symm_mem`` gave the
+group a buffer, and c10d's functional all-reduce (NCCL on GPUs, gloo on the CPU) otherwise. The
+all-gather is ``_c10d_functional.all_gather_into_tensor``. Dynamo traces both into the graph with
+no break (``fullgraph=True``), and CUDA graphs capture them.
+
+Leaving: ``tensor_parallel_run`` joins the group and leaves it cleanly. On success every rank
+waits for the others, then the group is destroyed, so no process stays behind its last step;
+captured CUDA graphs that hold NCCL kernels must be released before that (NCCL's communicator
+destroy waits for them: pytorch/pytorch#115388), which ``release`` callbacks do. A rank that
+raises logs its error and exits at once with status 1; ``torchrun`` then stops the other ranks,
+which would otherwise wait in their next collective for the failed one.
 
 Decisions:
 
@@ -46,19 +53,25 @@ Usage (``examples/generate.py --tp N`` does this)::
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import logging
-import warnings
+import os
+import sys
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 import examples.gemv.op  # noqa: F401  (registers torch.ops.vattn_examples.gemv)
+from examples.allreduce import (AllReducePolicy, SymmetricMemoryAllReduce, disable_symm_mem, enable_symm_mem,
+                                symm_mem_all_reduce)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -70,7 +83,9 @@ __all__ = [
     "VocabParallelEmbedding",
     "attention_shards",
     "init_tensor_parallel",
+    "leave_tensor_parallel",
     "split_rows",
+    "tensor_parallel_run",
 ]
 
 logger = logging.getLogger("vattn.examples.tp")
@@ -92,10 +107,10 @@ class TensorParallel:
             raise ValueError(f"TensorParallel: expected 0 <= rank < size, got rank={rank}, size={size}.")
         self.rank, self.size, self.group = rank, size, group
         self.group_name: str | None = group.group_name if group is not None else None
-        self.symm_buffer: torch.Tensor | None = None  # set by enable_symm_mem
+        self.algorithm = "auto"  # or "one_shot" / "two_shot" / "nccl": see examples/allreduce.py
 
     def __repr__(self) -> str:
-        mode = "symm_mem" if self.symm_buffer is not None else "functional"
+        mode = "symm_mem+c10d" if self.symm_mem is not None else "c10d"
         return f"TensorParallel(rank={self.rank}, size={self.size}, group={self.group_name!r}, all_reduce={mode})"
 
     def _check_group(self) -> str:
@@ -106,20 +121,15 @@ class TensorParallel:
         return self.group_name
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of ``x`` over the ranks (a new tensor; ``x`` itself is untouched)."""
+        """Sum of ``x`` over the ranks (a new tensor; ``x`` itself is untouched).
+
+        One opaque op (``vattn_examples::all_reduce``) that picks one-shot / two-shot
+        symmetric memory or NCCL by message size when it runs (examples/allreduce.py);
+        ``self.algorithm`` forces one.
+        """
         if self.size == 1:
             return x
-        name = self._check_group()
-        if self.symm_buffer is not None:
-            # One-shot P2P all-reduce: copies x into this rank's symmetric buffer, then every rank
-            # reads every peer's buffer. The buffer slice must have x's shape (the op checks).
-            # A constant message: Dynamo cannot trace an f-string of symbolic sizes here.
-            torch._check(x.numel() <= self.symm_buffer.numel(), lambda: (
-                "symmetric-memory all-reduce: more tokens than enable_symm_mem(max_tokens=...) sized the "
-                "buffer for; raise max_tokens to the largest batch the model runs."))
-            buf = self.symm_buffer[: x.numel()].view(x.shape)
-            return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x.contiguous(), "sum", name)
-        return funcol.all_reduce(x, "sum", name)
+        return torch.ops.vattn_examples.all_reduce(x, self._check_group(), self.algorithm)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(N, d) on every rank -> (N, size*d), rank r's block at columns ``[r*d, (r+1)*d)``."""
@@ -137,34 +147,29 @@ class TensorParallel:
             dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
         return x
 
-    def enable_symm_mem(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Use the symmetric-memory one-shot all-reduce for up to ``max_tokens`` x ``hidden_size``.
+    def enable_symm_mem(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                        policy: AllReducePolicy | None = None) -> bool:
+        """Give the group a symmetric buffer for all-reduces of up to ``max_tokens`` x ``hidden_size``.
 
-        A collective (every rank calls it). Needs CUDA GPUs with peer-to-peer access; returns
-        False (and keeps NCCL) where that is missing or this torch lacks the op. Every forward
-        must then have at most ``max_tokens`` tokens (the engine's token budget / the CUDA-graph
-        runner's largest size). Leaves NVLink multicast alone (TORCH_SYMM_MEM_DISABLE_MULTICAST).
+        A collective (every rank calls it). Messages that fit go one-shot or two-shot by size
+        (``policy``; ``AllReducePolicy.default(size)`` when None), larger ones NCCL. Returns False
+        (and keeps NCCL) where CUDA peer access, the symmetric-memory ops or their backend are
+        missing. Leaves NVLink multicast alone.
         """
-        if self.size == 1 or torch.device(device).type != "cuda":
+        if self.size == 1:
             return False
-        name = self._check_group()
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
+        nbytes = max_tokens * hidden_size * torch.empty((), dtype=dtype).element_size()
+        return enable_symm_mem(self.group, nbytes, torch.device(device), policy)
 
-            if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
-                raise RuntimeError("torch.ops.symm_mem.one_shot_all_reduce_copy is missing in this torch")
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-            if enable is not None:  # needed on older torch, deprecated (a no-op) on newer
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    enable(name)
-            buf = symm_mem.empty(max_tokens * hidden_size, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, name)
-        except Exception as e:  # no P2P, no NVSHMEM/CUDA backend, old torch: keep NCCL
-            logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
-            return False
-        self.symm_buffer = buf
-        return True
+    def disable_symm_mem(self) -> None:
+        """Back to NCCL for every all-reduce of this group."""
+        if self.group_name is not None:
+            disable_symm_mem(self.group_name)
+
+    @property
+    def symm_mem(self) -> SymmetricMemoryAllReduce | None:
+        """The group's symmetric buffer and size policy (None: every all-reduce is NCCL)."""
+        return symm_mem_all_reduce(self.group_name) if self.group_name is not None else None
 
 
 def init_tensor_parallel(tp_size: int | None, device: torch.device | str, timeout: timedelta | None = None
@@ -194,6 +199,59 @@ def init_tensor_parallel(tp_size: int | None, device: torch.device | str, timeou
     if tp_size is not None and world != tp_size:
         raise ValueError(f"--tp {tp_size} must equal the number of processes torchrun started ({world}).")
     return TensorParallel(dist.get_rank(), world, dist.group.WORLD), device
+
+
+@contextmanager
+def tensor_parallel_run(tp_size: int | None, device: torch.device | str, timeout: timedelta | None = None,
+                        leave_timeout_s: float = 60.0) -> Iterator[tuple[TensorParallel, torch.device]]:
+    """``init_tensor_parallel`` for the ``with`` block, then leave the group cleanly.
+
+    Yields ``(tp, device)``. Where this call created the process group (under ``torchrun``):
+
+    * the block returns: every rank waits for the others (a barrier), symmetric buffers are
+      dropped and the group is destroyed, so the process ends right after its last step.
+      Release captured CUDA graphs inside the block (``CUDAGraphRunner.release``): NCCL's
+      communicator destroy waits for graphs that hold its kernels. Should leaving still take
+      over ``leave_timeout_s``, every thread's stack is dumped and the process exits with 1.
+    * the block raises: the error and its traceback go to stderr and the process exits at once
+      with status 1, without the collective teardown its peers could never join; ``torchrun``
+      then stops them.
+
+    Where the group existed already (or for one process outside ``torchrun``), nothing more.
+    """
+    had_group = dist.is_available() and dist.is_initialized()
+    tp, device = init_tensor_parallel(tp_size, device, timeout)
+    if had_group or not dist.is_initialized():
+        yield tp, device
+        return
+    try:
+        yield tp, device
+    except BaseException as e:  # noqa: BLE001 -- any failure: this rank leaves now
+        print(f"[rank {tp.rank}/{tp.size}] failed: {type(e).__name__}: {e}; exiting so that the other ranks stop "
+              "too", file=sys.stderr)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    leave_tensor_parallel(device, leave_timeout_s)
+
+
+def leave_tensor_parallel(device: torch.device, timeout_s: float = 60.0) -> None:
+    """Leave the default process group on every rank: a barrier, then its destroy.
+
+    Captured CUDA graphs must be released first. Past ``timeout_s`` every thread's stack is
+    dumped to stderr and the process exits with status 1 (a hang made visible, not waited out).
+    """
+    gc.collect()  # models, engines and graphs left in reference cycles, while the group is alive
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        disable_symm_mem()
+        dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 # ---- sharding ----------------------------------------------------------------------------

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 
 from vattn.config import VattnConfig, set_current_vattn_config
+
+# The repository root: tests import examples/ and benchmarks/ (shared helpers) as packages.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 
 def _has(mod: str) -> bool:

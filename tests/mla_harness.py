@@ -219,3 +219,4 @@ def dummy_decode_common(n: int, width: int, device: str | torch.device = "cpu") 
         num_computed_tokens_cpu=torch.zeros(n, dtype=torch.int32), num_reqs=n, num_actual_tokens=n, max_query_len=1,
         block_table_tensor=torch.zeros((n, width), dtype=torch.int32, device=device),
         slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device), max_seq_len=1)
+

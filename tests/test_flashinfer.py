@@ -488,3 +488,27 @@ def test_layer_end_to_end_through_the_custom_op() -> None:
                 res.append(layer(q, k, v).float())
         outs[backend] = torch.cat(res)
     torch.testing.assert_close(outs["FLASHINFER"], outs["TORCH_SDPA"], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_fenced_plan_waits_until_the_gpu_read_the_last_plan() -> None:
+    """FlashInfer's plan pattern (write the schedule into a pinned host buffer, copy it to the device
+    asynchronously) planned again while the GPU is behind: each step still reads its own plan."""
+    from vattn.backends.flashinfer.paging import fenced_plan
+
+    class Planner:
+        def __init__(self) -> None:
+            self.host = torch.zeros(1, dtype=torch.int64).pin_memory()
+            self.dev = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+        def plan(self, value: int) -> None:
+            self.host.fill_(value)
+            self.dev.copy_(self.host, non_blocking=True)
+
+    planner, seen = Planner(), []
+    for step in range(1, 6):
+        torch.cuda._sleep(20_000_000)  # the GPU is busy: the plan's copy waits in the stream
+        fenced_plan(planner, lambda: planner.plan(step))
+        seen.append(planner.dev.clone())  # what this step's kernels would read
+    torch.cuda.synchronize()
+    assert [int(t) for t in seen] == [1, 2, 3, 4, 5]

@@ -495,3 +495,16 @@ def test_example_runs_on_cpu() -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     errors = [float(x) for x in re.findall(r"max \|out - dense\| = (\S+)", r.stdout)]
     assert len(errors) == 3 and max(errors) < 1e-5, r.stdout
+
+
+def test_decode_fallback_only_where_the_decoding_kernel_has_no_tile() -> None:
+    """FlexAttention's decoding kernel (queries < 128) packs a KV head's query heads into one tile
+    of next_pow2(q_len * group) rows that must divide the mask's query block: past that vattn
+    asks for the main kernel, and leaves a user's explicit choice alone."""
+    from vattn.backends.flex_attention.compiled import with_decode_fallback
+
+    assert with_decode_fallback({"BLOCK_N": 16}, 1, 4, 128) == {"BLOCK_N": 16}  # decode: 16 rows
+    assert with_decode_fallback(None, 32, 4, 128) is None  # 128 rows fit the block
+    assert with_decode_fallback({"BLOCK_N": 16}, 64, 4, 128) == {"BLOCK_N": 16, "FORCE_USE_FLEX_ATTENTION": True}
+    assert with_decode_fallback(None, 200, 4, 128) is None  # 128 queries or more: the main kernel anyway
+    assert with_decode_fallback({"FORCE_USE_FLEX_ATTENTION": False}, 64, 4, 128) == {"FORCE_USE_FLEX_ATTENTION": False}

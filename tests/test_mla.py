@@ -9,7 +9,6 @@ run every backend at DeepSeek's sizes, fp8 latent caches and CUDA-graph replays.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ from torch.library import opcheck
 import torch._dynamo.testing
 import triton_modules
 import vattn
+from benchmarks.common import default_dtype
 from mla_harness import MLASpec, assert_close, check_latent_cache, dummy_decode_common, make_mla_batch
 from vattn.backends.abstract import AttentionCGSupport
 from vattn.backends.mla.common import MLAAttentionSpec, MLACommonBackend, merge_attn_states
@@ -383,7 +383,7 @@ def _gpu_check(backend: str, case: dict, chunk: int | None = 64, factor: float =
     batch = make_mla_batch(spec, seed=13)
     cls = B[backend].get_class()
     cfg = VattnConfig()
-    with vattn.set_current_vattn_config(cfg):
+    with vattn.set_current_vattn_config(cfg), default_dtype(spec.dtype):
         layer = MLAAttention(spec.num_heads, spec.scale, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
                              spec.v_head_dim, None, spec.kv_lora_rank, batch.kv_b_proj, prefix="g.mla",
                              attn_backend=cls, cache_config=vattn.CacheConfig(block_size=spec.block_size,
@@ -448,6 +448,7 @@ def _graph_replays(backend: str, device: str, sizes: tuple[int, ...], sizes_kw: 
     spec = MLASpec(context_lens=(0,), query_lens=(1,), **sizes_kw, device=device)
     with vattn.set_current_vattn_config(cfg):
         proto = make_mla_batch(spec, seed=0)
+    with vattn.set_current_vattn_config(cfg), default_dtype(spec.dtype):
         layer = MLAAttention(spec.num_heads, spec.scale, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
                              spec.v_head_dim, None, spec.kv_lora_rank, proto.kv_b_proj, prefix="cg.mla",
                              attn_backend=cls, cache_config=vattn.CacheConfig(block_size=16))

@@ -27,7 +27,7 @@ from vattn.backends.mla.flashinfer_mla import FlashInferMLAImpl, FlashInferMLAMe
 from vattn.backends.mla.common import MLACommonMetadataBuilder
 from vattn.config import CompilationConfig, VattnConfig
 
-SIZES = dict(num_heads=3, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=24)
+SIZES = dict(num_heads=3, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 MIXED = dict(context_lens=(0, 37, 100, 5, 40, 0), query_lens=(1, 1, 1, 9, 23, 11))
 
 
@@ -188,6 +188,13 @@ def test_flashinfer_mla_refuses_other_latent_sizes(fake_flashinfer: None) -> Non
     spec = MLASpec(context_lens=(), query_lens=())
     batch = make_mla_batch(spec.with_(context_lens=(1,), query_lens=(1,)))
     with pytest.raises(ValueError, match="expected 512 / 64"):
+        FlashInferMLAImpl(spec.num_heads, spec.head_size, spec.scale, 1, **spec.impl_kwargs(batch.kv_b_proj))
+
+
+def test_flashinfer_mla_refuses_prefill_head_sizes_it_cannot_serve(fake_flashinfer: None) -> None:
+    spec = MLASpec(context_lens=(1,), query_lens=(1,), **{**SIZES, "qk_nope_head_dim": 16, "v_head_dim": 16})
+    batch = make_mla_batch(spec)
+    with pytest.raises(ValueError, match=r"got \(80, 16\); use TRITON_MLA"):
         FlashInferMLAImpl(spec.num_heads, spec.head_size, spec.scale, 1, **spec.impl_kwargs(batch.kv_b_proj))
 
 

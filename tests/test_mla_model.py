@@ -157,14 +157,15 @@ def test_state_dict_names_are_transformers(interpret: None) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["TRITON_MLA", pytest.param("FLASHINFER_MLA", marks=pytest.mark.flashinfer)])
-def test_bf16_compiled_full_graphs_match_transformers(backend: str) -> None:
+@pytest.mark.parametrize("backend,big", [("TRITON_MLA", False), ("TRITON_MLA", True),
+                                         pytest.param("FLASHINFER_MLA", True, marks=pytest.mark.flashinfer)])
+def test_bf16_compiled_full_graphs_match_transformers(backend: str, big: bool) -> None:
     """GPU, bf16: ``vattn.compile`` with FULL_AND_PIECEWISE CUDA graphs (decodes replay full graphs)
     gives transformers' greedy tokens; logits within bf16 tolerance. FLASHINFER_MLA needs
-    DeepSeek's latent sizes (L 512, P 64)."""
+    DeepSeek's sizes (L 512, P 64; q/k 192 and v 128 in its prefill)."""
     from examples.generate import compile_model
 
-    sizes = dict(kv_lora_rank=512, qk_rope_head_dim=64) if backend == "FLASHINFER_MLA" else {}
+    sizes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128) if big else {}
     cfg_hf = transformers.DeepseekV3Config(**{**SMALL, **sizes}, **CONFIGS["qlora-yarn"], attn_implementation="eager")
     hf = transformers.DeepseekV3ForCausalLM(cfg_hf).eval()
     init_random_weights(hf, seed=3, std=0.08)
@@ -185,9 +186,14 @@ def test_bf16_compiled_full_graphs_match_transformers(backend: str) -> None:
                           max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
         ref = torch.cat(out.logits).float().cpu()
         got = torch.stack(engine.logits[req.req_id])
-        torch.testing.assert_close(got, ref, atol=0.15, rtol=0.05)
-        agree = sum(a == b for a, b in zip(req.output_token_ids, out.sequences[0, len(p):].tolist()))
-        assert agree >= MAX_TOKENS - 1, (req.output_token_ids, out.sequences[0, len(p):].tolist())
+        want = out.sequences[0, len(p):].tolist()
+        # bf16: the runs may part at a near-tie (then every later row has another context); up to
+        # and including that step the logits agree within bf16 tolerance.
+        k = next((j for j, (a, b) in enumerate(zip(req.output_token_ids, want)) if a != b), MAX_TOKENS)
+        if k < MAX_TOKENS:
+            top2 = ref[k].topk(2).values
+            assert top2[0] - top2[1] < 0.25, (k, req.output_token_ids, want, top2)
+        torch.testing.assert_close(got[: k + 1], ref[: k + 1], atol=0.15, rtol=0.05)
 
 
 @pytest.mark.slow

@@ -131,8 +131,9 @@ class CudaPlatform(Platform):
     #: long requests is far slower, though its prefill is the fastest; it stays behind FlashInfer.
     #: The measurements behind this order: benchmarks/README.md (from benchmarks/results/*.json).
     hopper_priority = (_B.TRITON_ATTN, _B.FLASHINFER, _B.FLASH_ATTN, _B.TORCH_SDPA)
-    #: MLA on Hopper (sm_90), to be ordered by ``benchmarks/bench_mla.py``'s decode and prefill
-    #: results (benchmarks/README.md); until measured, the class table's order.
+    #: MLA on Hopper (sm_90), in the order ``benchmarks/bench_mla.py``'s decode and prefill results
+    #: give (benchmarks/README.md): FLASHINFER_MLA before TRITON_MLA; the libraries vattn cannot
+    #: install here keep their place ahead, and report themselves unavailable.
     hopper_mla_priority = (_B.FLASHMLA, _B.FLASHINFER_MLA, _B.CUTLASS_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
     #: float32 models: the reference backend (exact float32 math, runs on CPU tensors too).
     float32_priority = (_B.TORCH_SDPA, _B.TRITON_ATTN)

@@ -18,7 +18,7 @@ import torch
 
 from vattn import envs
 from vattn.backends.abstract import AttentionCGSupport, AttentionImpl, AttentionMetadata, is_fp8_kv_cache
-from vattn.backends.flashinfer.paging import gather_page_indices, paged_kv_layout, workspace
+from vattn.backends.flashinfer.paging import fenced_plan, gather_page_indices, paged_kv_layout, workspace
 from vattn.backends.utils import (
     AttentionMetadataBuilder,
     AttentionSpec,
@@ -176,10 +176,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         qo_indptr = (qsl[start : end + 1] - qsl[start]).to(torch.int32)
         if self._prefill_wrapper is None:
             self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace(self.device), self.kv_layout)
-        self._prefill_wrapper.plan(
+        fenced_plan(self._prefill_wrapper, lambda: self._prefill_wrapper.plan(
             qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
             self.page_size, causal=cm.causal, o_data_type=self.q_dtype, **self._plan_kwargs(),
-        )
+        ))
         md.prefill_wrapper = self._prefill_wrapper
         md.prefill_start = int(qsl[start])
         md.prefill_rows = int(qo_indptr[-1])
@@ -205,10 +205,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         indices = gather_page_indices(cm.block_table_tensor, indptr)
         if self._decode_wrapper is None:
             self._decode_wrapper = self._new_decode_wrapper()
-        self._decode_wrapper.plan(
+        fenced_plan(self._decode_wrapper, lambda: self._decode_wrapper.plan(
             indptr, indices, last, *self._decode_plan_args(), pos_encoding_mode="NONE",
             o_data_type=self.q_dtype, **self._plan_kwargs(),
-        )
+        ))
         md.decode_wrapper, md.decode_rows = self._decode_wrapper, rows
 
     def _graph_buffers(self, cm: CommonAttentionMetadata) -> _GraphBuffers:
@@ -263,9 +263,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         args = (indptr, g.indices[:total], last, *self._decode_plan_args())
         if wrapper is None:
             wrapper = self._graph_wrappers[bs] = self._new_decode_wrapper(g, bs)
-            wrapper.plan(*args, pos_encoding_mode="NONE", o_data_type=self.q_dtype, **self._plan_kwargs())
+            fenced_plan(wrapper, lambda: wrapper.plan(*args, pos_encoding_mode="NONE", o_data_type=self.q_dtype,
+                                                      **self._plan_kwargs()))
         else:
-            _fast_decode_plan(wrapper, args, self._plan_kwargs())
+            fenced_plan(wrapper, lambda: _fast_decode_plan(wrapper, args, self._plan_kwargs()))
         md.decode_wrapper, md.decode_rows, md.use_cuda_graph = wrapper, bs, True
 
 

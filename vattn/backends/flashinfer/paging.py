@@ -1,14 +1,17 @@
 """FLASHINFER's host-side paging: the CSR page layout FlashInfer plans with, the page-index
-gather from vattn's block tables, and the float workspace its wrappers share per device.
+gather from vattn's block tables, the float workspace its wrappers share per device, and the
+fence that keeps a wrapper's plans in step with the GPU.
 
 Nothing here imports ``flashinfer``.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
-__all__ = ["WORKSPACE_BYTES", "gather_page_indices", "paged_kv_layout", "workspace"]
+__all__ = ["WORKSPACE_BYTES", "fenced_plan", "gather_page_indices", "paged_kv_layout", "workspace"]
 
 #: Float workspace shared by every wrapper on a device (split-KV partial results).
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -22,6 +25,28 @@ def workspace(device: torch.device) -> torch.Tensor:
     if buf is None:
         buf = _workspaces[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return buf
+
+
+def fenced_plan(wrapper: Any, plan: Callable[[], Any]) -> None:
+    """Run ``plan`` (one FlashInfer ``wrapper.plan(...)``) once the GPU has read the wrapper's last plan.
+
+    A plan writes its schedule into the wrapper's pinned host buffer and enqueues an asynchronous
+    copy of it to the device. With the host a step ahead of the GPU (an engine that prepares step
+    n + 1 while step n runs), planning the wrapper again before that copy ran hands step n the new
+    schedule: wrong outputs, or reads past its buffers. An event recorded after each plan is
+    waited on before the wrapper's next one; by then it has almost always completed. While a CUDA
+    graph is being captured nothing is recorded or waited on.
+    """
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    read: torch.cuda.Event | None = getattr(wrapper, "_vattn_plan_read", None)
+    if read is not None and not capturing:
+        read.synchronize()
+    plan()
+    if not capturing and torch.cuda.is_available():
+        if read is None:
+            read = torch.cuda.Event()
+            wrapper._vattn_plan_read = read
+        read.record()
 
 
 def paged_kv_layout(seq_lens_cpu: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-__all__ = ["bucket", "compiled_flex_count", "default_kernel_options", "run_flex"]
+__all__ = ["bucket", "compiled_flex_count", "default_kernel_options", "run_flex", "with_decode_fallback"]
 
 _COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
@@ -47,6 +47,19 @@ def default_kernel_options(device: torch.device, block_size: int) -> dict[str, A
     if device.type != "cuda" or block_size % 128 == 0:
         return {}
     return {"BLOCK_N": min(64, block_size & -block_size)}  # the largest power of two dividing it, at most 64
+
+
+def with_decode_fallback(kernel_options: dict[str, Any] | None, q_len: int, group: int,
+                         q_block: int) -> dict[str, Any] | None:
+    """``kernel_options`` plus ``FORCE_USE_FLEX_ATTENTION`` where FlexAttention's decoding kernel
+    would have no tile: it serves queries shorter than 128 and packs the ``group`` query heads of
+    a KV head into one tile of ``next_pow2(q_len * group)`` rows (at least 16), which must divide
+    the block mask's query block ``q_block``. A tree step of 64 drafts with 4 query heads per KV
+    head (256 rows, blocks of 128) is such a case; the main kernel serves it."""
+    rows = max(16, 1 << max(q_len * group - 1, 0).bit_length())
+    if q_len < 128 and q_block % rows and "FORCE_USE_FLEX_ATTENTION" not in (kernel_options or {}):
+        return {**(kernel_options or {}), "FORCE_USE_FLEX_ATTENTION": True}
+    return kernel_options
 
 
 def _flex(query: Tensor, key: Tensor, value: Tensor, score_mod: Any, block_mask: BlockMask, scale: float,
@@ -91,6 +104,9 @@ def run_flex(query: Tensor, key: Tensor, value: Tensor, *, score_mod: Any, block
     """
     inductor = compiled and not (return_lse and query.device.type == "cpu")
     backend = "inductor" if inductor else "eager"
+    if inductor and query.device.type == "cuda":
+        kernel_options = with_decode_fallback(kernel_options, query.shape[-2], query.shape[1] // key.shape[1],
+                                              block_mask.BLOCK_SIZE[0])
     options = tuple(sorted((kernel_options or {}).items())) if inductor else ()
     cache_key = (_shape_key(query, key, block_mask), mods_key, options, return_lse, backend)
     fn = _COMPILED.get(cache_key)

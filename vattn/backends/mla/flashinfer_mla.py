@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.flashinfer.paging import gather_page_indices, paged_kv_layout, workspace
+from vattn.backends.flashinfer.paging import fenced_plan, gather_page_indices, paged_kv_layout, workspace
 from vattn.backends.mla.common import (
     MLACommonBackend,
     MLACommonMetadataBuilder,
@@ -36,6 +36,8 @@ __all__ = ["FlashInferMLABackend", "FlashInferMLAImpl", "FlashInferMLAMetadataBu
 
 _LN2 = math.log(2.0)
 _LORA, _ROPE = 512, 64
+# (q/k head size, v head size) of the up-projected prefill: DeepSeek's 192 / 128, or equal sizes.
+_PREFILL_DIMS = frozenset({(192, 128), (64, 64), (128, 128), (256, 256)})
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,8 +119,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             if self._decode_wrapper is None:
                 self._decode_wrapper = self._new_wrapper(None)
             wrapper = self._decode_wrapper
-        wrapper.plan(qo_indptr, kv_indptr, indices, seq, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
-                     self.kv_cache_spec.block_size, True, self.sm_scale, self.model_dtype, self.kv_cache_spec.dtype)
+        fenced_plan(wrapper, lambda: wrapper.plan(
+            qo_indptr, kv_indptr, indices, seq, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+            self.kv_cache_spec.block_size, True, self.sm_scale, self.model_dtype, self.kv_cache_spec.dtype))
         decode.plan = wrapper
 
     # ---- prefill ------------------------------------------------------------------------
@@ -129,9 +132,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         while len(self._prefill_wrappers) <= index:
             self._prefill_wrappers.append(BatchPrefillWithRaggedKVCacheWrapper(workspace(self.device), "NHD"))
         wrapper = self._prefill_wrappers[index]
-        wrapper.plan(qo_indptr, kv_indptr, self.num_heads, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
-                     head_dim_vo=self.v_head_dim, causal=causal, sm_scale=self.sm_scale,
-                     q_data_type=self.model_dtype, kv_data_type=self.model_dtype)
+        fenced_plan(wrapper, lambda: wrapper.plan(
+            qo_indptr, kv_indptr, self.num_heads, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
+            head_dim_vo=self.v_head_dim, causal=causal, sm_scale=self.sm_scale, q_data_type=self.model_dtype,
+            kv_data_type=self.model_dtype))
         return wrapper
 
     def _prefill_extras(self, prefill: MLAPrefillMetadata, cm: CommonAttentionMetadata) -> None:
@@ -149,6 +153,11 @@ class FlashInferMLAImpl(MLACommonImpl):
         if (self.kv_lora_rank, self.qk_rope_head_dim) != (_LORA, _ROPE):
             raise ValueError(f"FLASHINFER_MLA: kv_lora_rank / qk_rope_head_dim: expected {_LORA} / {_ROPE} (FlashInfer's "
                              f"MLA kernels), got {self.kv_lora_rank} / {self.qk_rope_head_dim}; use TRITON_MLA.")
+        dims = (self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+        if dims not in _PREFILL_DIMS:
+            raise ValueError(f"FLASHINFER_MLA: (qk_nope_head_dim + qk_rope_head_dim, v_head_dim): expected one of "
+                             f"{sorted(_PREFILL_DIMS)} (the q/k and v head sizes FlashInfer's ragged prefill kernels "
+                             f"serve), got {dims}; use TRITON_MLA.")
 
     def _forward_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                         md: MLADecodeMetadata, layer: Any) -> torch.Tensor:
@@ -169,7 +178,8 @@ class FlashInferMLABackend(MLACommonBackend):
     """FlashInfer's MLA kernels: fp16/bf16, ``kv_lora_rank`` 512 / ``qk_rope_head_dim`` 64."""
 
     min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
-    feature_notes: ClassVar[dict[str, str]] = {"head_sizes": "L 512 + P 64"}
+    feature_notes: ClassVar[dict[str, str]] = {
+        "head_sizes": "L 512 + P 64; prefill q/k + v head sizes 192 + 128, or equal 64, 128, 256"}
 
     @staticmethod
     def get_name() -> str:
