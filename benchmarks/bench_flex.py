@@ -73,7 +73,7 @@ def prepare_layer(case: bk.Case, args: argparse.Namespace, backend: str, mask_mo
     """A vattn backend through ``vattn.Attention``'s impl: (prepared call, builder ms)."""
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size))
     flex = {"compiled": not args.eager} if backend in ("FLEX_ATTENTION", "TREE_ATTN") else {}
-    with vattn.set_current_vattn_config(cfg), bk.default_dtype(args.dtype):
+    with vattn.set_current_vattn_config(cfg), common.default_dtype(args.dtype):
         layer = vattn.Attention(args.num_heads, args.head_dim, args.head_dim**-0.5, num_kv_heads=args.num_kv_heads,
                                 prefix=LAYER, attn_backend=backend, mask_mod=mask_mod, **flex)
     layer.to(args.device)

@@ -76,7 +76,8 @@ class KeyTable:
 _KEY_TABLES: dict[str, KeyTable] = {
     "allreduce": KeyTable(("group", "tokens", "bytes", "one_shot_us", "two_shot_us", "nccl_us", "best"),
                           only=("tokens", (1, 16, 64, 1024))),
-    "engine-ab": KeyTable(("tree", "async_scheduling", "step_ms", "common_metadata_ms", "prepare_ms"),
+    "cpu_decode": KeyTable(("case", "vattn_us", "bare_gqa_us", "bare_rows_us", "x_bare_gqa")),
+    "engine-ab": KeyTable(("tree", "async_scheduling", "step_ms", "common_metadata_ms"),
                           only=("round", (1,))),
     "flex": KeyTable(("case", "mask", "provider", "block_size", "ms", "tflops")),
     "mla": KeyTable(("backend", "phase", "impl", "batch", "context", "heads", "ms", "tbps", "ms_per_step",
@@ -105,7 +106,7 @@ _KEY_TABLES: dict[str, KeyTable] = {
 #: Columns and rows shown of a kind without a KeyTable.
 _DEFAULT_COLUMNS, _DEFAULT_ROWS = 8, 12
 _MAX_KEY_ROWS = 12
-_MAX_PROBE_ROWS = 10
+_MAX_PROBE_ROWS = 6
 _NOTE_KEYS = ("command", "note", "finding", "what")
 
 
@@ -437,7 +438,7 @@ def render_probes(kinds: Mapping[str, Sequence[Mapping[str, Any]]], notes: Mappi
         finding = next((notes[x["_path"].stem] for x in reversed(runs) if x["_path"].stem in notes), "") or next(
             (summary[k] for k in ("note", "finding", "what") if isinstance(summary.get(k), str)), "")
         lines.append(f"| {kind} | {_day_list(kind, runs)} | "
-                     f"{fmt(clip(finding, 80)) if finding else '(per-kernel tables only)'} |")
+                     f"{fmt(clip(finding, 64)) if finding else '(per-kernel tables only)'} |")
     older = sorted(set(kinds) - set(shown))
     if older:
         lines += ["", f"Older probes ({len(older)}; their files are in the results folder): "

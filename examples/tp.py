@@ -25,10 +25,10 @@ no break (``fullgraph=True``), and CUDA graphs capture them.
 
 Leaving: ``tensor_parallel_run`` joins the group and leaves it cleanly. On success every rank
 waits for the others, then the group is destroyed, so no process stays behind its last step;
-captured CUDA graphs that hold NCCL kernels must be released before that (NCCL's communicator
-destroy waits for them: pytorch/pytorch#115388), which ``release`` callbacks do. A rank that
-raises logs its error and exits at once with status 1; ``torchrun`` then stops the other ranks,
-which would otherwise wait in their next collective for the failed one.
+captured CUDA graphs that hold NCCL kernels must be released before that, inside the block
+(``CUDAGraphRunner.release``: NCCL's communicator destroy waits for them, pytorch/pytorch#115388).
+A rank that raises prints its error and exits at once with status 1; ``torchrun`` then stops the
+other ranks, which would otherwise wait in their next collective for the failed one.
 
 Decisions:
 

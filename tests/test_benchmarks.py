@@ -318,3 +318,18 @@ def test_layer_overhead_work_and_plot(tmp_path: Path) -> None:
 def test_layer_overhead_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_layer_overhead.main(["--quick"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_bench_cpu_decode_writes_its_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from benchmarks import bench_cpu_decode
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    old = torch.get_num_threads()
+    try:
+        out = bench_cpu_decode.main(["--reps", "40", "--context", "20"])
+    finally:
+        torch.set_num_threads(old)
+    (path,) = tmp_path.glob("cpu_decode-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 8] and rows == out["rows"]
+    assert all(r["vattn_us"] > 0 and r["x_bare_gqa"] == r["vattn_us"] / r["bare_gqa_us"] for r in rows)

@@ -135,7 +135,9 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         assert md.decode_blocks is not None and md.decode_key_valid is not None
         B = md.decode_blocks.shape[0]
         k, v = self._read_blocks(kv_cache, md.decode_blocks, layer)
-        q = query[:B].float().unsqueeze(2)  # (B, H, 1, D)
+        # One query token per request: the G = H / Hk query heads of a KV head become G query rows
+        # of that head (query head h reads KV head h // G), so SDPA needs no GQA expansion.
+        q = query[:B].float().view(B, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
         mask = None
         if B == 1 and self.window is None:
             k, v = k[:, :, : md.max_seq_len], v[:, :, : md.max_seq_len]
@@ -147,17 +149,17 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
                 pos = torch.arange(valid.shape[-1], device=q.device)
                 last = md.seq_lens[:B].long()[:, None, None, None] - 1
                 mask = mask & (pos > last - self.window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        output[:B] = out.squeeze(2).to(output.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, Hk, G, D)
+        output[:B] = out.reshape(B, self.num_heads, self.head_size).to(output.dtype)
         return output
 
     def _read_blocks(self, kv_cache: torch.Tensor, blocks: torch.Tensor,
                      layer: "Attention") -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values, (B, Hk, Lb, D) float32 each: every request's whole blocks
         (``blocks`` (B, nb)) of the (2, num_blocks, block_size, Hk, D) cache, in one copy."""
-        kv = kv_cache[:, blocks]  # (2, B, nb, block_size, Hk, D)
-        kv = kv.reshape(2, kv.shape[1], -1, kv.shape[4], kv.shape[5]).transpose(2, 3).float()
+        B, nb = blocks.shape
+        kv = kv_cache.index_select(1, blocks.reshape(-1))  # (2, B * nb, block_size, Hk, D): one gather
+        kv = kv.view(2, B, nb * kv.shape[2], kv.shape[3], kv.shape[4]).transpose(2, 3).float()
         k, v = kv.unbind(0)
         if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             k, v = k * layer._k_scale.float(), v * layer._v_scale.float()
