@@ -139,6 +139,9 @@ def all_reduce(x: torch.Tensor, group_name: str, algorithm: str = "auto") -> tor
     ``nccl`` to force one (the symmetric ones need ``enable_symm_mem`` and fall back to NCCL
     where the message does not fit the buffer).
     """
+    if algorithm not in ("auto", "one_shot", "two_shot", "nccl"):
+        raise ValueError(f"vattn_examples::all_reduce: algorithm: expected auto, one_shot, two_shot or nccl, got "
+                         f"{algorithm!r}; set TensorParallel.algorithm to one of them.")
     comm = _COMMS.get(group_name)
     algo = "nccl" if comm is None else comm.choose(x)
     if algo != "nccl" and algorithm != "auto":

@@ -363,6 +363,16 @@ def test_attention_shards_and_errors() -> None:
                                tp=TensorParallel(0, 8))
 
 
+def test_all_reduce_names_a_wrong_algorithm() -> None:
+    from examples.allreduce import AllReducePolicy
+
+    with pytest.raises(ValueError, match="algorithm: expected auto, one_shot, two_shot or nccl, got 'fast'"):
+        torch.ops.vattn_examples.all_reduce(torch.zeros(2), "no-group", "fast")
+    policy = AllReducePolicy.default(2)
+    assert [policy.choose(n) for n in (8 << 10, 128 << 10, 512 << 10, 8 << 20, 16 << 20)] == [
+        "one_shot", "one_shot", "two_shot", "two_shot", "nccl"]
+
+
 def test_shard_without_group_cannot_run() -> None:
     with vattn.set_current_vattn_config(vattn.VattnConfig()):
         model = DecoderForCausalLM(ModelConfig(), tp=TensorParallel(1, 2, None))

@@ -137,7 +137,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         k, v = self._read_blocks(kv_cache, md.decode_blocks, layer)
         # One query token per request: the G = H / Hk query heads of a KV head become G query rows
         # of that head (query head h reads KV head h // G), so SDPA needs no GQA expansion.
-        q = query[:B].float().view(B, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        q = query[:B].float().reshape(B, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
         mask = None
         if B == 1 and self.window is None:
             k, v = k[:, :, : md.max_seq_len], v[:, :, : md.max_seq_len]
