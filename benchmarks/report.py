@@ -64,7 +64,7 @@ class KeyTable:
     ``best`` = (group column, minimised column): keep one row per group, the one with the least value.
     ``skip`` = (column, value): leave out the rows that have it.
     ``only`` = (column, values): keep only the rows whose column holds one of the values.
-    At most ``_MAX_KEY_ROWS`` rows are shown; the JSON has them all.
+    At most ``max_rows`` rows are shown (``generate`` lowers it until the page fits); the JSON has them all.
     """
 
     columns: tuple[str, ...]
@@ -105,8 +105,8 @@ _KEY_TABLES: dict[str, KeyTable] = {
 }
 #: Columns and rows shown of a kind without a KeyTable.
 _DEFAULT_COLUMNS, _DEFAULT_ROWS = 8, 12
-_MAX_KEY_ROWS = 12
-_MAX_PROBE_ROWS = 6
+#: (key-table rows, probe-table rows) per page, tried in turn until the page fits ``MAX_BYTES``.
+_CAPS = ((16, 12), (12, 10), (12, 6), (10, 6), (8, 4), (6, 3), (4, 2))
 _NOTE_KEYS = ("command", "note", "finding", "what")
 
 
@@ -304,7 +304,8 @@ def _targets(targets: Any) -> str:
     return ""
 
 
-def key_rows(kind: str, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[Mapping[str, Any]], str]:
+def key_rows(kind: str, rows: Sequence[Mapping[str, Any]], max_rows: int = _CAPS[0][0]
+             ) -> tuple[list[str], list[Mapping[str, Any]], str]:
     """(columns, rows, caption) of a result's key figures; a column equal in every row goes to the caption."""
     spec = _KEY_TABLES.get(kind) or _KEY_TABLES.get(kind.split("-")[0])
     if spec is not None and not any(c in row for row in rows for c in spec.columns):
@@ -335,9 +336,9 @@ def key_rows(kind: str, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], l
                     best[row.get(group)] = row
             shown = list(best.values())
             notes.append(f"the least {value} of {len(rows)} rows per {group}")
-    if spec is not None and len(shown) > _MAX_KEY_ROWS:
-        notes.append(f"the first {_MAX_KEY_ROWS} of {len(shown)} such rows")
-        shown = shown[:_MAX_KEY_ROWS]
+    if spec is not None and len(shown) > max_rows:
+        notes.append(f"the first {max_rows} of {len(shown)} such rows")
+        shown = shown[:max_rows]
     if len(shown) > 1:
         same = [c for c in keep if shown[0].get(c) is not None and all(r.get(c) == shown[0].get(c) for r in shown)]
         keep = [c for c in keep if c not in same]
@@ -369,8 +370,9 @@ def _command(result: Mapping[str, Any], known: Mapping[str, str]) -> str:
 
 
 def render_kind(kind: str, results: Sequence[Mapping[str, Any]], link_dir: Path,
-                known: Mapping[str, str], common: Mapping[str, str] | None = None) -> str:
-    """One kind's section: its newest result."""
+                known: Mapping[str, str], common: Mapping[str, str] | None = None,
+                max_rows: int = _CAPS[0][0]) -> str:
+    """One kind's section: its newest result (at most ``max_rows`` key-table rows)."""
     r = results[-1]
     older = f" {len(results) - 1} older file{'s' if len(results) > 2 else ''} listed at the end." \
         if len(results) > 1 else ""
@@ -385,7 +387,7 @@ def render_kind(kind: str, results: Sequence[Mapping[str, Any]], link_dir: Path,
     targets = _targets(summary.get("targets"))
     if targets:
         lines += [f"Targets: {clip(targets, 240)}", ""]
-    cols, rows, caption = key_rows(kind, r["rows"])
+    cols, rows, caption = key_rows(kind, r["rows"], max_rows)
     if rows:
         table = Table(cols)
         table.extend(rows)
@@ -422,15 +424,17 @@ def note_findings(text: str) -> dict[str, str]:
     return found
 
 
-def render_probes(kinds: Mapping[str, Sequence[Mapping[str, Any]]], notes: Mapping[str, str]) -> str:
-    """One row per ``profile-*`` kind: its files, and its finding (from the notes, else the JSON's note)."""
+def render_probes(kinds: Mapping[str, Sequence[Mapping[str, Any]]], notes: Mapping[str, str],
+                  max_rows: int = _CAPS[0][1]) -> str:
+    """One row per ``profile-*`` kind, the ``max_rows`` newest: its files, and its finding (from the
+    notes, else the JSON's note); the older probes by name."""
     lines = ["## Probes (`profile-*`)", "",
              "One-off profiles and A/B tries, each file `<probe>[-run-<run>]-<device>-<date>.json`. The finding "
              "is what [`docs/performance-notes.md`](../docs/performance-notes.md) says with the probe's file "
              "cited, else the start of the JSON's `note`.", "",
              "| probe | files | finding |", "| --- | --- | --- |"]
     newest = sorted(kinds, key=lambda k: (str(kinds[k][-1]["env"].get("date") or ""), k), reverse=True)
-    shown = sorted(newest[:_MAX_PROBE_ROWS])
+    shown = sorted(newest[:max_rows])
     for kind in shown:
         runs = kinds[kind]
         r = runs[-1]
@@ -478,11 +482,12 @@ def _order(kind: str) -> tuple[int, str]:
 
 
 def render(results: Sequence[dict[str, Any]], readme_path: Path, bench_dir: Path = BENCH_DIR,
-           unreadable: Sequence[str] = (), results_dir: Path | None = None, notes_text: str = "") -> str:
+           unreadable: Sequence[str] = (), results_dir: Path | None = None, notes_text: str = "",
+           caps: tuple[int, int] = _CAPS[0]) -> str:
     """The whole README as text; links are relative to ``readme_path``'s folder.
 
     ``notes_text``: the performance notes (markdown); its bullets that cite a probe's file give the
-    probe table its findings.
+    probe table its findings. ``caps``: (key-table rows, probe-table rows) at most.
     """
     link_dir = readme_path.resolve().parent
     results_dir = (results_dir or (results[0]["_path"].parent if results else RESULTS_DIR)).resolve()
@@ -518,9 +523,9 @@ def render(results: Sequence[dict[str, Any]], readme_path: Path, bench_dir: Path
     if not kinds:
         out += ["No results yet: run a benchmark on a GPU machine and copy its JSON into `benchmarks/results/`.", ""]
     for kind in main_kinds:
-        out.append(render_kind(kind, kinds[kind], link_dir, known, common))
+        out.append(render_kind(kind, kinds[kind], link_dir, known, common, caps[0]))
     if probes:
-        out.append(render_probes(probes, note_findings(notes_text)))
+        out.append(render_probes(probes, note_findings(notes_text), caps[1]))
     out.append(render_file_list(kinds, results_dir, link_dir, unreadable))
     return "\n".join(out).rstrip() + "\n"
 
@@ -530,7 +535,11 @@ def generate(results_dir: Path = RESULTS_DIR, readme_path: Path = BENCH_DIR / "R
     """The page for ``results_dir``'s files, with links as seen from ``readme_path``."""
     results, bad = load_results(results_dir)
     notes_text = notes_path.read_text() if notes_path.exists() else ""
-    return render(results, readme_path, unreadable=bad, results_dir=results_dir, notes_text=notes_text)
+    for caps in _CAPS:  # the most detail that fits MAX_BYTES (the last caps: whatever it comes to)
+        text = render(results, readme_path, unreadable=bad, results_dir=results_dir, notes_text=notes_text, caps=caps)
+        if len(text.encode()) <= MAX_BYTES:
+            break
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

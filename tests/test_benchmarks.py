@@ -333,3 +333,12 @@ def test_bench_cpu_decode_writes_its_ratios(monkeypatch: pytest.MonkeyPatch, tmp
     rows = json.loads(path.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 8] and rows == out["rows"]
     assert all(r["vattn_us"] > 0 and r["x_bare_gqa"] == r["vattn_us"] / r["bare_gqa_us"] for r in rows)
+
+
+def test_report_trims_tables_until_the_page_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A smaller page limit gives fewer key-table and probe rows, not a failing page."""
+    full = report.generate()
+    monkeypatch.setattr(report, "MAX_BYTES", len(full.encode()) - 2000)
+    trimmed = report.generate()
+    assert len(trimmed.encode()) <= report.MAX_BYTES < len(full.encode())
+    assert trimmed.count("\n| ") < full.count("\n| ")
