@@ -20,7 +20,6 @@ benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.bench_tp import capture, time_gpu  # noqa: E402
 from benchmarks.common import Table, env_info, progress, write_results  # noqa: E402
 from examples.tp import TensorParallel, tensor_parallel_run  # noqa: E402
 
@@ -51,24 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def groups_of(world_tp: TensorParallel, n: int) -> TensorParallel:
-    """This rank's group of ``n`` consecutive ranks (every rank creates every group)."""
-    if n == world_tp.size:
-        return world_tp
-    mine = None
-    for start in range(0, world_tp.size, n):
-        group = dist.new_group(list(range(start, start + n)))
-        if start <= world_tp.rank < start + n:
-            mine = TensorParallel(world_tp.rank - start, n, group)
-    assert mine is not None
-    return mine
-
-
 def time_chain(tp: TensorParallel, x: torch.Tensor, chain: int, reps: int) -> float:
-    """Median us per all-reduce of a captured chain of ``chain`` all-reduces of ``x``.
-
-    Fixed iteration counts (not ``common.bench_cuda_graph``'s time-based loop): every rank must
-    replay the same number of graphs, since each replay waits for the peers' collectives."""
+    """Median us per all-reduce of a captured chain of ``chain`` all-reduces of ``x`` (bench_tp's
+    fixed-count timing: every rank replays as many graphs, each waiting for the peers)."""
     scale = x.new_tensor(1.0 / tp.size)
 
     def many() -> torch.Tensor:
@@ -77,23 +62,7 @@ def time_chain(tp: TensorParallel, x: torch.Tensor, chain: int, reps: int) -> fl
             y = tp.all_reduce(y) * scale  # the sum over ranks of equal values, scaled back: finite
         return y
 
-    many()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        many()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier(group=tp.group)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    del graph
-    return 1e3 * statistics.median(s.elapsed_time(e) for s, e in ev) / chain
+    return 1e3 * time_gpu(capture(many, x.device), reps, x.device, tp.group) / chain
 
 
 def check(tp: TensorParallel, tokens: int, hidden: int, device: torch.device) -> float:
@@ -119,7 +88,7 @@ def run(args: argparse.Namespace, world_tp: TensorParallel, device: torch.device
     t0 = time.perf_counter()
     max_tokens = max(args.tokens)
     for n in sizes:
-        tp = groups_of(world_tp, n)
+        tp = world_tp.subgroup(n)
         if not tp.enable_symm_mem(max_tokens, args.hidden, torch.bfloat16, device):
             raise SystemExit("symmetric memory is unavailable here (see the warning); nothing to compare.")
         for tokens in progress(args.tokens, desc=f"group of {n}", disable=not lead):

@@ -233,13 +233,8 @@ def model_rows(args: argparse.Namespace, device: torch.device, skipped: dict[str
     comp = vattn.CompilationConfig(cudagraph_mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE if cuda else
                                    vattn.CUDAGraphMode.NONE, max_capture_size=max(args.model_batches))
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK), compilation=comp)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with vattn.set_current_vattn_config(cfg), torch.device(device):
-            model = DeepseekV3ForCausalLM.from_hf_config(hf.config)
-    finally:
-        torch.set_default_dtype(old)
+    with vattn.set_current_vattn_config(cfg), torch.device(device), common.default_dtype(dtype):
+        model = DeepseekV3ForCausalLM.from_hf_config(hf.config)
     model.load_hf_state_dict(hf.state_dict())
     model.eval()
     batch_max = max(args.model_batches)

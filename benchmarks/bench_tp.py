@@ -55,8 +55,8 @@ import torch.distributed as dist  # noqa: E402
 
 import vattn  # noqa: E402
 from examples.gemv import OneTokenGemv  # noqa: E402
-from benchmarks.common import (Table, env_info, fill_random_kv_, free_memory, progress, token_counts,  # noqa: E402
-                               split_kv_cache, write_results)
+from benchmarks.common import (Table, default_dtype, env_info, fill_random_kv_, free_memory, progress,  # noqa: E402
+                               split_kv_cache, token_counts, write_results)
 from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
 from examples.tp import TensorParallel, tensor_parallel_run  # noqa: E402
 
@@ -174,14 +174,9 @@ def build(args: argparse.Namespace, tp: TensorParallel, device: torch.device, nu
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK),
                             compilation=vattn.CompilationConfig(compile_sizes=token_counts(args.compile_sizes),
                                                                 piece_passes=(OneTokenGemv(),)))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(args.dtype)
-    try:
-        with vattn.global_force_attn_backend_context_manager(args.backend), vattn.set_current_vattn_config(cfg), \
-                torch.device(device):
-            model = DecoderForCausalLM(mcfg, tp=tp)
-    finally:
-        torch.set_default_dtype(old)
+    with vattn.global_force_attn_backend_context_manager(args.backend), vattn.set_current_vattn_config(cfg), \
+            torch.device(device), default_dtype(args.dtype):
+        model = DecoderForCausalLM(mcfg, tp=tp)
     init_random_weights(model, seed=0)
     model.eval()
     kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=args.dtype)
@@ -300,22 +295,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"targets": targets}
 
 
-def tp_groups(world_tp: TensorParallel, sizes: list[int]) -> dict[int, TensorParallel]:
-    """Per TP size n: this rank's ``TensorParallel`` in its group of n consecutive ranks (every rank
-    creates every group, as ``new_group`` requires)."""
-    out = {}
-    for n in sizes:
-        if n == world_tp.size:
-            out[n] = world_tp
-            continue
-        for start in range(0, world_tp.size, n):
-            ranks = list(range(start, start + n))
-            group = dist.new_group(ranks)
-            if world_tp.rank in ranks:
-                out[n] = TensorParallel(world_tp.rank - start, n, group)
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -332,7 +311,7 @@ def run(args: argparse.Namespace, world_tp: TensorParallel, device: torch.device
     bad = [n for n in sizes if n < 2 or world % n]
     if bad:
         raise SystemExit(f"--tp-sizes {bad}: each must be above 1 and divide the {world} ranks torchrun started.")
-    groups = tp_groups(world_tp, sizes)
+    groups = {n: world_tp.subgroup(n) for n in sizes}
     hidden = get_preset(args.preset).hidden_size
     num_blocks = 1 + max(args.batches) * math.ceil((args.context + 1) / BLOCK)
     rows: list[dict[str, Any]] = []

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.library import Library, infer_schema
 
-__all__ = ["AllReducePolicy", "SymmetricMemoryAllReduce", "all_reduce", "disable_symm_mem", "enable_symm_mem",
+__all__ = ["AllReducePolicy", "DEFAULT_POLICY", "SymmetricMemoryAllReduce", "all_reduce", "disable_symm_mem", "enable_symm_mem",
            "symm_mem_all_reduce"]
 
 logger = logging.getLogger("vattn.examples.allreduce")
@@ -55,18 +55,18 @@ class AllReducePolicy:
             return "one_shot"
         return "two_shot" if nbytes <= self.two_shot_max_bytes else "nccl"
 
-    @staticmethod
-    def default(world_size: int) -> "AllReducePolicy":
-        """One-shot up to 128 KiB, two-shot up to 8 MiB, NCCL above, for 2 and 4 ranks alike (the
-        crossovers ``bench_allreduce.py`` measured on H100 NVLink; the three meet near 16 MiB)."""
-        return AllReducePolicy(one_shot_max_bytes=128 * _KIB, two_shot_max_bytes=8 * _MIB)
+
+#: One-shot up to 128 KiB, two-shot up to 8 MiB, NCCL above: the crossovers ``bench_allreduce.py``
+#: measured on H100 NVLink, the same for 2 and 4 ranks (the three meet near 16 MiB).
+DEFAULT_POLICY = AllReducePolicy(one_shot_max_bytes=128 * _KIB, two_shot_max_bytes=8 * _MIB)
 
 
+@dataclass(frozen=True)
 class SymmetricMemoryAllReduce:
-    """One group's symmetric buffer (``max_bytes``, every rank the same) and its size policy."""
+    """One group's symmetric buffer (uint8, the same size on every rank) and its size policy."""
 
-    def __init__(self, group_name: str, world_size: int, buffer: torch.Tensor, policy: AllReducePolicy) -> None:
-        self.group_name, self.world_size, self.buffer, self.policy = group_name, world_size, buffer, policy
+    buffer: torch.Tensor
+    policy: AllReducePolicy
 
     def choose(self, x: torch.Tensor) -> Algorithm:
         nbytes = x.numel() * x.element_size()
@@ -117,7 +117,7 @@ def enable_symm_mem(group: dist.ProcessGroup, max_bytes: int, device: torch.devi
     except Exception as e:  # no P2P, no NVSHMEM/CUDA backend, old torch: keep NCCL
         logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
         return False
-    _COMMS[name] = SymmetricMemoryAllReduce(name, world, buf, policy or AllReducePolicy.default(world))
+    _COMMS[name] = SymmetricMemoryAllReduce(buf, policy or DEFAULT_POLICY)
     return True
 
 

@@ -32,6 +32,7 @@ With ``--compile`` a warm-up request runs first and its time is reported separat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -258,12 +259,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     # Under torchrun: a clean leave after the last step, and a failing rank exits with its error
     # (torchrun then stops the others) instead of leaving them waiting in a collective.
-    with tensor_parallel_run(args.tp, args.device) as (tp, device):
+    # `graphs` releases the CUDA graphs before the group goes (NCCL's destroy waits on graphs that hold
+    # its kernels): context managers exit in reverse order.
+    with tensor_parallel_run(args.tp, args.device) as (tp, device), contextlib.ExitStack() as graphs:
         args.device = str(device)
-        return _run(args, tp)
+        return _run(args, tp, graphs)
 
 
-def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
+def _run(args: argparse.Namespace, tp: TensorParallel, graphs: contextlib.ExitStack) -> dict[str, Any]:
     lead = tp.rank == 0  # the rank that prints
     args.no_progress = args.no_progress or not lead
     tokenizer, prompts = None, None
@@ -282,17 +285,7 @@ def _run(args: argparse.Namespace, tp: TensorParallel) -> dict[str, Any]:
     if args.cudagraph:
         runner = make_cudagraph_runner(forward_fn, cfg, kv, args.max_num_seqs, args.prompt_len + args.output_len,
                                        not args.no_progress)
-    try:
-        return _generate(args, tp, model, cfg, kv, forward_fn, runner, tokenizer, prompts, backend)
-    finally:
-        if runner is not None:  # before any process group goes: graphs holding NCCL kernels block its destroy
-            runner.release()
-
-
-def _generate(args: argparse.Namespace, tp: TensorParallel, model: Any, cfg: vattn.VattnConfig, kv: Any,
-              forward_fn: Callable[..., torch.Tensor], runner: Any, tokenizer: Any, prompts: Any,
-              backend: str) -> dict[str, Any]:
-    lead = tp.rank == 0
+        graphs.callback(runner.release)
 
     def new_engine() -> Engine:
         return Engine(model, cfg, kv, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,

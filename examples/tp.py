@@ -147,12 +147,27 @@ class TensorParallel:
             dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
         return x
 
+    def subgroup(self, n: int) -> "TensorParallel":
+        """This rank's place in the group of ``n`` consecutive ranks of this group (``n`` divides
+        ``size``). A collective: every rank creates every group, as ``new_group`` requires."""
+        if n == self.size:
+            return self
+        if n < 1 or self.size % n:
+            raise ValueError(f"TensorParallel.subgroup: n must divide the group's {self.size} ranks, got {n}.")
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.size))
+        mine = self
+        for start in range(0, self.size, n):
+            group = dist.new_group(ranks[start:start + n])
+            if start <= self.rank < start + n:
+                mine = TensorParallel(self.rank - start, n, group)
+        return mine
+
     def enable_symm_mem(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
                         policy: AllReducePolicy | None = None) -> bool:
         """Give the group a symmetric buffer for all-reduces of up to ``max_tokens`` x ``hidden_size``.
 
         A collective (every rank calls it). Messages that fit go one-shot or two-shot by size
-        (``policy``; ``AllReducePolicy.default(size)`` when None), larger ones NCCL. Returns False
+        (``policy``; ``examples.allreduce.DEFAULT_POLICY`` when None), larger ones NCCL. Returns False
         (and keeps NCCL) where CUDA peer access, the symmetric-memory ops or their backend are
         missing. Leaves NVLink multicast alone.
         """

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import vattn
+from benchmarks.common import default_dtype
 from conftest import HAS_CUDA
 from vattn.backends import debug_checks
 
@@ -63,13 +64,8 @@ class Rig:
         args: dict[str, Any] = dict(num_heads=H, head_size=D, scale=D**-0.5, num_kv_heads=HK, prefix=prefix,
                                     attn_backend=self.backend)
         args.update(kw)
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with vattn.set_current_vattn_config(self.cfg):
-                return vattn.Attention(**args)
-        finally:
-            torch.set_default_dtype(old)
+        with vattn.set_current_vattn_config(self.cfg), default_dtype(self.dtype):
+            return vattn.Attention(**args)
 
     def allocate(self, num_blocks: Any = NB) -> vattn.PagedKVCache:
         self.kv = vattn.allocate_kv_cache(self.cfg, num_blocks=num_blocks, device=self.device, dtype=self.dtype)

@@ -191,6 +191,18 @@ def test_flashinfer_mla_refuses_other_latent_sizes(fake_flashinfer: None) -> Non
         FlashInferMLAImpl(spec.num_heads, spec.head_size, spec.scale, 1, **spec.impl_kwargs(batch.kv_b_proj))
 
 
+def test_selector_asks_mla_backends_about_the_layer_sizes() -> None:
+    """Selection (forced here; automatic selection asks the same) sees an MLA layer's sizes, not
+    only its 576-wide latent: FLASHINFER_MLA is refused for prefill head sizes its kernels lack."""
+    import vattn
+    from vattn.backends.mla.flashinfer_mla import FlashInferMLABackend
+
+    assert FlashInferMLABackend.mla_dims_reasons(512, 64, 128, 128) == []
+    with vattn.global_force_attn_backend_context_manager("FLASHINFER_MLA"):
+        with pytest.raises(ValueError, match=r"got \(80, 16\)"):
+            vattn.get_attn_backend(576, torch.bfloat16, None, 16, use_mla=True, mla_dims=(512, 64, 16, 16))
+
+
 def test_flashinfer_mla_refuses_prefill_head_sizes_it_cannot_serve(fake_flashinfer: None) -> None:
     spec = MLASpec(context_lens=(1,), query_lens=(1,), **{**SIZES, "qk_nope_head_dim": 16, "v_head_dim": 16})
     batch = make_mla_batch(spec)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton_modules  # noqa: E402
 import vattn  # noqa: E402
+from benchmarks.common import default_dtype  # noqa: E402
 from examples.deepseek_model import DeepseekConfig, DeepseekV3ForCausalLM, softmax_scale  # noqa: E402
 from examples.engine import Engine, SamplingParams  # noqa: E402
 from examples.model import init_random_weights  # noqa: E402
@@ -100,13 +101,8 @@ def reference(name: str) -> tuple[list[list[int]], list[torch.Tensor]]:
 def vattn_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 compilation: vattn.CompilationConfig | None = None) -> tuple[Any, vattn.VattnConfig, Any]:
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK), compilation=compilation or vattn.CompilationConfig())
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with vattn.set_current_vattn_config(cfg), torch.device(device):
-            model = DeepseekV3ForCausalLM.from_hf_config(hf.config)
-    finally:
-        torch.set_default_dtype(old)
+    with vattn.set_current_vattn_config(cfg), torch.device(device), default_dtype(dtype):
+        model = DeepseekV3ForCausalLM.from_hf_config(hf.config)
     model.load_hf_state_dict(hf.state_dict())
     model.eval()
     return model, cfg, vattn.allocate_kv_cache(cfg, num_blocks=32, device=device, dtype=dtype)

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import vattn  # noqa: E402
+from benchmarks.common import default_dtype  # noqa: E402
 from examples.engine import Engine, SamplingParams  # noqa: E402
 from examples.generate import compile_model  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
@@ -61,13 +62,8 @@ CASES: dict[str, ModelConfig] = {
 def build(mcfg: ModelConfig, sd: dict[str, torch.Tensor], tp: TensorParallel | None, device: str = "cpu",
           dtype: torch.dtype = torch.float32) -> tuple[DecoderForCausalLM, vattn.VattnConfig, vattn.PagedKVCache]:
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16 if device != "cpu" else 8))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with vattn.set_current_vattn_config(cfg), torch.device(device):
-            model = DecoderForCausalLM(mcfg, tp=tp)
-    finally:
-        torch.set_default_dtype(old)
+    with vattn.set_current_vattn_config(cfg), torch.device(device), default_dtype(dtype):
+        model = DecoderForCausalLM(mcfg, tp=tp)
     model.load_hf_state_dict(sd)
     model.eval()
     return model, cfg, vattn.allocate_kv_cache(cfg, num_blocks=32, device=device, dtype=dtype)
@@ -139,6 +135,8 @@ def worker(rank: int, world: int, port: int, folder: Path, device_type: str) -> 
                             timeout=timedelta(seconds=120), device_id=torch.device(device) if cuda else None)
     tp = TensorParallel(rank, world, dist.group.WORLD)
     out: dict[str, Any] = {}
+    sub = tp.subgroup(1)  # groups of one rank each: this rank alone
+    out["subgroup"] = (sub.rank, sub.size, dist.get_process_group_ranks(sub.group), tp.subgroup(world) is tp)
     if cuda:
         out["ops"] = all_reduce_errors(tp, torch.device(device))
     for name, mcfg in CASES.items():
@@ -267,6 +265,11 @@ def test_tp2_heads_and_kv_cache_per_rank(runs: dict[str, Any], name: str) -> Non
         assert hk in res[name]["kv_shape"] and res[name]["kv_shape"][-1] == mcfg.head_dim
 
 
+def test_subgroups_of_consecutive_ranks(runs: dict[str, Any]) -> None:
+    """``TensorParallel.subgroup(n)``: every rank in the group of n consecutive ranks holding it."""
+    assert [r["subgroup"] for r in runs["ranks"]] == [(0, 1, [rank], True) for rank in range(WORLD)]
+
+
 def assert_bf16_close_until_tie(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
     """bf16 parity of two runs: per request, tokens equal up to the first position where the
     reference's top-2 logits are a near-tie (gap < 0.25; the sequences diverge after it), and the
@@ -364,11 +367,10 @@ def test_attention_shards_and_errors() -> None:
 
 
 def test_all_reduce_names_a_wrong_algorithm() -> None:
-    from examples.allreduce import AllReducePolicy
+    from examples.allreduce import DEFAULT_POLICY as policy
 
     with pytest.raises(ValueError, match="algorithm: expected auto, one_shot, two_shot or nccl, got 'fast'"):
         torch.ops.vattn_examples.all_reduce(torch.zeros(2), "no-group", "fast")
-    policy = AllReducePolicy.default(2)
     assert [policy.choose(n) for n in (8 << 10, 128 << 10, 512 << 10, 8 << 20, 16 << 20)] == [
         "one_shot", "one_shot", "two_shot", "two_shot", "nccl"]
 

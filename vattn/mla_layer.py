@@ -29,10 +29,12 @@ from vattn.selector import backend_name_to_enum, get_attn_backend
 __all__ = ["MLAAttention"]
 
 
-def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **config: Any) -> type[AttentionBackend]:
-    """The selected MLA backend, or the given one after checking it can serve the layer."""
+def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, mla_dims: tuple[int, int, int, int],
+                     **config: Any) -> type[AttentionBackend]:
+    """The selected MLA backend, or the given one after checking it can serve the layer
+    (``mla_dims``: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)."""
     if attn_backend is None:
-        return get_attn_backend(**config, use_mla=True)
+        return get_attn_backend(**config, use_mla=True, mla_dims=mla_dims)
     if isinstance(attn_backend, str):
         member = backend_name_to_enum(attn_backend)
         if member is None:
@@ -45,6 +47,8 @@ def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, **config
         raise TypeError(f"attn_backend must be None, a backend name or an AttentionBackend subclass, got "
                         f"{attn_backend!r}.")
     reasons = backend.validate_configuration(**config, use_mla=True)
+    if hasattr(backend, "mla_dims_reasons"):
+        reasons = [*reasons, *backend.mla_dims_reasons(*mla_dims)]
     if reasons:
         raise ValueError(f"attn_backend={backend.get_name()} cannot serve this MLA layer: {'; '.join(reasons)}. "
                          "Pick another MLA backend (or attn_backend=None to select automatically).")
@@ -118,7 +122,8 @@ class MLAAttention(nn.Module, AttentionLayerBase):
         if self.quant_method is not None:
             self.quant_method.create_weights(self)
 
-        self.attn_backend = _resolve_backend(attn_backend, head_size=self.head_size, dtype=self.dtype,
+        mla_dims = (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
+        self.attn_backend = _resolve_backend(attn_backend, mla_dims, head_size=self.head_size, dtype=self.dtype,
                                              kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
                                              use_sparse=use_sparse)
         self.impl = self.attn_backend.get_impl_cls()(

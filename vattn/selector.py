@@ -150,6 +150,7 @@ def get_attn_backend(
     use_alibi: bool = False,
     use_mask_mod: bool = False,
     use_score_mod: bool = False,
+    mla_dims: tuple[int, int, int, int] | None = None,
 ) -> type[AttentionBackend]:
     """Select the attention backend for a configuration and import it.
 
@@ -164,6 +165,8 @@ def get_attn_backend(
         attn_type, use_sliding_window, use_logits_soft_cap, use_alibi, use_mask_mod, use_score_mod:
             the layer's features (beyond the seed's arguments), checked against each backend's
             declarations (``AttentionBackend.feature_reasons``).
+        mla_dims: an MLA layer's ``(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)``,
+            checked by MLA backends' ``mla_dims_reasons`` (``head_size`` is only their latent width).
 
     Returns:
         The backend class (a subclass of ``AttentionBackend``).
@@ -197,6 +200,7 @@ def get_attn_backend(
         bool(use_sparse),
         features=(attn_type, bool(use_sliding_window), bool(use_logits_soft_cap), bool(use_alibi),
                   bool(use_mask_mod), bool(use_score_mod)),
+        mla_dims=tuple(mla_dims) if mla_dims is not None else None,
         forced_backend=get_global_forced_attn_backend(),
         env_backend=envs.VATTN_ATTENTION_BACKEND,
         platform=current_platform,
@@ -211,7 +215,7 @@ def _not_implemented(backend: AttentionBackendEnum) -> bool:
 
 
 def _reasons_against(
-    backend: AttentionBackendEnum, config: tuple, features: tuple
+    backend: AttentionBackendEnum, config: tuple, features: tuple, mla_dims: tuple | None = None
 ) -> tuple[type[AttentionBackend] | None, list[str]]:
     """Import ``backend`` and ask it why it cannot serve ``config`` (empty list: it can)."""
     try:
@@ -231,6 +235,8 @@ def _reasons_against(
     mods = {k: True for k, on in (("use_mask_mod", mask_mod), ("use_score_mod", score_mod)) if on}
     reasons += cls.feature_reasons(attn_type, use_sliding_window=window, use_logits_soft_cap=soft_cap,
                                    use_alibi=alibi, **mods)  # mods only when asked: older overrides lack them
+    if mla_dims is not None and hasattr(cls, "mla_dims_reasons"):
+        reasons += cls.mla_dims_reasons(*mla_dims)
     return cls, reasons
 
 
@@ -259,6 +265,7 @@ def _cached_get_attn_backend(
     use_sparse: bool,
     *,
     features: tuple[str, bool, bool, bool, bool, bool],
+    mla_dims: tuple[int, int, int, int] | None = None,
     forced_backend: AttentionBackendEnum | None,
     env_backend: str | None,
     platform: Platform,
@@ -282,7 +289,7 @@ def _cached_get_attn_backend(
                 f"{selected.name}, 'your.module.YourBackend'), or remove the override for automatic "
                 "selection."
             )
-        cls, reasons = _reasons_against(selected, config, features)
+        cls, reasons = _reasons_against(selected, config, features, mla_dims)
         if reasons or cls is None:
             raise ValueError(
                 f"attention backend {selected.name} (forced by {source}) cannot serve "
@@ -301,7 +308,7 @@ def _cached_get_attn_backend(
         if _not_implemented(backend):
             missing.append(backend.name)
             continue
-        cls, reasons = _reasons_against(backend, config, features)
+        cls, reasons = _reasons_against(backend, config, features, mla_dims)
         if cls is not None and not reasons:
             logger.info("Using attention backend %s on %s.", backend.name, platform.device_type)
             return cls

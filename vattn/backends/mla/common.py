@@ -67,6 +67,13 @@ class MLACommonBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "bfloat16", "float16")
 
+    @classmethod
+    def mla_dims_reasons(cls, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
+                         v_head_dim: int) -> list[str]:
+        """Every reason this backend's kernels cannot serve an MLA layer of these sizes (empty:
+        they can). The selector asks before choosing; the impl raises with the same reasons."""
+        return []
+
     @staticmethod
     def get_metadata_cls() -> type["MLACommonMetadata"]:
         return MLACommonMetadata

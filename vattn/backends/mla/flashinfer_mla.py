@@ -150,14 +150,10 @@ class FlashInferMLAImpl(MLACommonImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if (self.kv_lora_rank, self.qk_rope_head_dim) != (_LORA, _ROPE):
-            raise ValueError(f"FLASHINFER_MLA: kv_lora_rank / qk_rope_head_dim: expected {_LORA} / {_ROPE} (FlashInfer's "
-                             f"MLA kernels), got {self.kv_lora_rank} / {self.qk_rope_head_dim}; use TRITON_MLA.")
-        dims = (self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
-        if dims not in _PREFILL_DIMS:
-            raise ValueError(f"FLASHINFER_MLA: (qk_nope_head_dim + qk_rope_head_dim, v_head_dim): expected one of "
-                             f"{sorted(_PREFILL_DIMS)} (the q/k and v head sizes FlashInfer's ragged prefill kernels "
-                             f"serve), got {dims}; use TRITON_MLA.")
+        reasons = FlashInferMLABackend.mla_dims_reasons(self.kv_lora_rank, self.qk_rope_head_dim,
+                                                        self.qk_nope_head_dim, self.v_head_dim)
+        if reasons:
+            raise ValueError(f"FLASHINFER_MLA: {'; '.join(reasons)}; use TRITON_MLA.")
 
     def _forward_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                         md: MLADecodeMetadata, layer: Any) -> torch.Tensor:
@@ -200,3 +196,17 @@ class FlashInferMLABackend(MLACommonBackend):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return _availability()
+
+    @classmethod
+    def mla_dims_reasons(cls, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
+                         v_head_dim: int) -> list[str]:
+        reasons = []
+        if (kv_lora_rank, qk_rope_head_dim) != (_LORA, _ROPE):
+            reasons.append(f"kv_lora_rank / qk_rope_head_dim: expected {_LORA} / {_ROPE} (FlashInfer's MLA "
+                           f"kernels), got {kv_lora_rank} / {qk_rope_head_dim}")
+        dims = (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)
+        if dims not in _PREFILL_DIMS:
+            reasons.append(f"(qk_nope_head_dim + qk_rope_head_dim, v_head_dim): expected one of "
+                           f"{sorted(_PREFILL_DIMS)} (the q/k and v head sizes FlashInfer's ragged prefill "
+                           f"kernels serve), got {dims}")
+        return reasons
