@@ -91,3 +91,37 @@ def test_compiled_graph_keeps_op_opaque(vattn_config):
     with vattn.set_forward_context(md, vattn_config):
         fn(torch.randn(4, H * D), torch.randn(4, HK * D), torch.randn(4, HK * D))
     assert "vattn.unified_attention_with_output" in seen
+
+
+def test_eager_calls_skip_the_dispatcher_only_where_nothing_traces(vattn_config):
+    """An eager call in inference runs the op's implementation directly, with the op's result; a
+    tracer (make_fx's dispatch mode) still records the one opaque op, and inputs that need grad
+    take the op too."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vattn.ops.library import eager_direct_ok
+
+    layer, kv, md = _setup(vattn_config)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, H * D, generator=g), torch.randn(4, HK * D, generator=g), torch.randn(4, HK * D, generator=g)
+    seen = []
+
+    def probe(q, k, v):
+        seen.append(eager_direct_ok(q, k, v))
+        return layer(q, k, v)
+
+    with vattn.set_forward_context(md, vattn_config):
+        cache = kv.tensors["op.attn"].clone()
+        with torch.no_grad():
+            direct = probe(q, k, v)
+        kv.tensors["op.attn"].copy_(cache)
+        out = torch.empty(4, H, D)
+        torch.ops.vattn.unified_attention_with_output(q.view(4, H, D), k.view(4, HK, D), v.view(4, HK, D), out,
+                                                      "op.attn")
+        assert torch.equal(direct, out.view(4, H * D))
+        gm = make_fx(probe)(q, k, v)
+        assert [str(n.target) for n in gm.graph.nodes if "vattn" in str(n.target)] == [
+            "vattn.unified_attention_with_output.default"]
+        with torch.enable_grad():
+            probe(q.clone().requires_grad_(), k, v)
+    assert seen == [True, False, False]

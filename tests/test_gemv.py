@@ -8,6 +8,8 @@ and without programmatic dependent launch, alone and as a dependent chain in a C
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,6 +109,25 @@ def test_default_tiles_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         triton_gemv._gpu_tiles.cache_clear()
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_kernel_separate_up_matches_the_concatenated_input(with_residual: bool) -> None:
+    """SwiGLU with the up projection in its own tensor (``up``): the same bits as the gate and
+    up concatenated into one (1, 2K) input, odd K over several K steps."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 37, 100
+    gate, up = (torch.randn(1, k, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    w = torch.randn(n, k, generator=g).to(DEV, torch.bfloat16)
+    res = torch.randn(1, n, generator=g).to(DEV, torch.bfloat16) if with_residual else None
+    want = torch.empty(1, n, device=DEV, dtype=torch.bfloat16)
+    triton_gemv.launch_gemv(torch.cat((gate, up), 1), w, want, silu_mul=True, residual=res, block_n=8,
+                            block_k=32, num_warps=4)
+    got = torch.full((1, n), 7.0, device=DEV, dtype=torch.bfloat16)
+    triton_gemv.launch_gemv(gate, w, got, silu_mul=True, up=up, residual=res, block_n=8, block_k=32, num_warps=4)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="silu_mul"):
+        triton_gemv.launch_gemv(gate, w, got, up=up)
+
+
 def test_kernel_rejects_silu_mul_with_norm() -> None:
     x, w = torch.randn(1, 8), torch.randn(4, 4)
     with pytest.raises(ValueError, match="exclusive"):
@@ -128,6 +149,13 @@ def test_op_fallback_and_opcheck(silu_mul: bool) -> None:
         res = torch.randn(rows, 8, generator=g)
         torch.testing.assert_close(torch.ops.vattn_examples.gemv(x, w, silu_mul, res), F.linear(x_in, w) + res)
         opcheck(torch.ops.vattn_examples.gemv.default, (x, w, silu_mul, res))
+        if silu_mul:  # separate gate and up: x is the gate, up its own tensor
+            gate, up = x[:, :16].contiguous(), x[:, 16:].contiguous()
+            got = torch.ops.vattn_examples.gemv(gate, w, True, res, up=up)
+            torch.testing.assert_close(got, F.linear(x_in, w) + res)
+            opcheck(torch.ops.vattn_examples.gemv.default, (gate, w, True, res), {"up": up})
+            with pytest.raises(ValueError, match="up"):
+                torch.ops.vattn_examples.gemv(gate, w, False, up=up)
         if not silu_mul:
             nw = torch.randn(16, generator=g)
             got = torch.ops.vattn_examples.gemv(x, w, False, res, nw, 1e-5)
@@ -249,6 +277,10 @@ def test_op_rope_fallback_and_opcheck() -> None:
         got = torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *plain, 5 * 16, True)
         assert torch.equal(got, rope.apply(plain, heads).flatten(1))
         opcheck(torch.ops.vattn_examples.gemv.default, (x, w, False, None, None, 0.0, *plain, 5 * 16, True))
+        # transformers' batch-first layout: x (1, T, K), tables (1, 1, T, D)
+        batch_first = [t.view(1, 1, rows, 16) for t in plain]
+        got = torch.ops.vattn_examples.gemv(x[None], w, False, None, None, 0.0, *batch_first, 5 * 16, True)
+        assert got.shape == (1, rows, 80) and torch.equal(got[0], rope.apply(plain, heads).flatten(1))
     with pytest.raises(ValueError, match="rope_cols=24"):
         torch.ops.vattn_examples.gemv(x, w, False, None, None, 0.0, *signed, 24)
     with pytest.raises(ValueError, match="residual set"):
@@ -599,6 +631,72 @@ def test_rewrite_fuses_transformers_rotate_half() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+class _HFBatchFirstAttentionInput(_HFStyleAttentionInput):
+    """The same projections as transformers' Llama really lays them out: (1, T, hidden) in,
+    each projection viewed as (1, T, heads, D) and transposed to (1, heads, T, D), cos / sin
+    (1, T, D) unsqueezed to (1, 1, T, D)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shape = (*x.shape[:-1], -1, self.d)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin, v
+
+
+def test_rewrite_fuses_transformers_batch_first_rope() -> None:
+    """transformers' (1, T, N) -> (1, heads, T, D) layout: q and k take RoPE, v does not, and
+    q, k, v are the same bit for bit."""
+    torch.manual_seed(0)
+    model = _HFBatchFirstAttentionInput().to(torch.bfloat16).eval()
+    angle = torch.rand(1, 1, 8) * 30
+    cos = torch.cat((angle.cos(), angle.cos()), -1).bfloat16()
+    sin = torch.cat((angle.sin(), angle.sin()), -1).bfloat16()
+    x = torch.randn(1, 1, 32, dtype=torch.bfloat16)
+    gm, inputs = _dynamo_graph(model, x, cos, sin)
+    want = model(x, cos, sin)
+    assert one_token_gemv.rewrite(gm) == 3
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
+    assert [n.args[8:] for n in calls] == [(4 * 16, True), (2 * 16, True), ()]
+    gm.graph.eliminate_dead_code()
+    assert not [n for n in gm.graph.nodes if n.target is torch.cat]
+    got = gm(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_rewrite_fuses_every_layer_of_a_transformers_llama() -> None:
+    """transformers' own Llama on vattn (``vattn.integrations.transformers``), one token:
+    every projection becomes a gemv; q, k and v take the input RMSNorm, q and k RoPE, o and
+    down the residual add, gate and up the post-attention norm, down the SwiGLU of gate and up;
+    no rotation or activation is left and one norm (the final one) is."""
+    pytest.importorskip("transformers")
+    import vattn
+    from examples.hf_model import random_model, tiny_config
+    from vattn.integrations import transformers as vt
+
+    layers = 2
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16))
+    hf = random_model(tiny_config("llama", num_hidden_layers=layers), dtype=torch.bfloat16)
+    model = vt.wrap(hf, cfg)
+    with vattn.set_forward_context(None, cfg):
+        gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
+    assert one_token_gemv.rewrite(gm) == 7 * layers
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
+    norm = [n.args[4] is not None for n in calls]
+    residual = [n.args[3] is not None for n in calls]
+    rope = [len(n.args) > 6 for n in calls]
+    swiglu = [n.args[2] and n.kwargs.get("up") is calls[i - 1] and n.args[0] is calls[i - 2]
+              for i, n in enumerate(calls)]
+    assert norm == [True, True, True, False, True, True, False] * layers  # q k v o gate up down
+    assert residual == [False, False, False, True, False, False, True] * layers
+    assert rope == [True, True, False, False, False, False, False] * layers
+    assert swiglu == [False, False, False, False, False, False, True] * layers
+    gm.graph.eliminate_dead_code()
+    assert not [n for n in gm.graph.nodes if n.target in (operator.neg, torch.neg, F.silu)]  # rotate_half's, SwiGLU's
+    assert len([n for n in gm.graph.nodes if n.target is torch.rsqrt]) == 1
+
+
 @pytest.mark.parametrize("variant", ["reuse", "overlap", "float32_table"])
 def test_rewrite_leaves_rope_it_cannot_fuse(variant: str) -> None:
     """Unrotated heads read elsewhere, v overlapping the rotated heads, or a rotation that
@@ -642,3 +740,11 @@ def test_kernel_rope_llama_qkv_cuda(pdl: bool) -> None:
     unsigned = torch.cat((-sin[:32], sin[32:]))  # transformers' rotate-half form: the same rotation
     op = torch.ops.vattn_examples.gemv(x, w, False, None, nw, 1e-5, cos.view(1, 1, 64), unsigned.view(1, 1, 64), 2560, True)
     assert torch.equal(op, out)
+    # transformers' batch-first layout takes the fast path too: x (1, 1, K), tables (1, 1, 1, D)
+    op = torch.ops.vattn_examples.gemv(x.view(1, 1, -1), w, False, None, nw, 1e-5, cos.view(1, 1, 1, 64),
+                                       unsigned.view(1, 1, 1, 64), 2560, True)
+    assert op.shape == (1, 1, 3072) and torch.equal(op.view(1, -1), out)
+    res = torch.randn(1, 1, 3072, device="cuda", generator=g).bfloat16()
+    fast = torch.ops.vattn_examples.gemv(x.view(1, 1, -1), w, False, res, nw, 1e-5)
+    assert fast.shape == (1, 1, 3072)
+    assert torch.equal(fast.view(1, -1), torch.ops.vattn_examples.gemv(x, w, False, res.view(1, -1), nw, 1e-5))

@@ -310,6 +310,48 @@ def test_decode_only_batches(layout: str, contexts: tuple[int, ...], features: d
     assert md_used, "the decode-only batch did not take the decode path"
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_request_on_consecutive_blocks_reads_a_view(layout: str, dtype: torch.dtype) -> None:
+    """One decoding request on consecutive blocks (the CPU metadata marks it): its keys are read
+    as a view of an NHD cache, gathered otherwise; the same output as the same keys on shuffled
+    blocks and as a float32 reference, GQA (8 / 2 heads), and the new token's K/V stored."""
+    import vattn
+
+    heads, kv_heads, d, bs, ctx = 8, 2, 16, 4, 13
+    g = torch.Generator().manual_seed(1)
+    old_k, old_v = (torch.randn(ctx, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    q, k, v = (torch.randn(1, n * d, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
+    outs = []
+    set_kv_cache_layout(layout)
+    try:
+        for table in ([2, 3, 4, 5], [5, 0, 3, 1]):
+            cfg = VattnConfig(cache=vattn.CacheConfig(block_size=bs))
+            with vattn.set_current_vattn_config(cfg):
+                attn = vattn.Attention(heads, d, d**-0.5, num_kv_heads=kv_heads, prefix="l.attn")
+            kv = vattn.allocate_kv_cache(cfg, num_blocks=7, dtype=dtype)
+            cache = kv.tensors["l.attn"]
+            cache.fill_(float("nan"))  # every slot the request does not own
+            for pos in range(ctx):
+                cache[0, table[pos // bs], pos % bs], cache[1, table[pos // bs], pos % bs] = old_k[pos], old_v[pos]
+            common = kv.common_metadata(query_lens=[1], num_computed_tokens=[ctx], block_tables=[table])
+            md = kv.build_metadata(common)
+            first = md["l.attn"].decode_first_block if isinstance(md, dict) else md.decode_first_block
+            assert first == (2 if table[0] == 2 else None)
+            with torch.no_grad(), vattn.set_forward_context(md, cfg):
+                outs.append(attn(q, k, v))
+            slot = table[ctx // bs], ctx % bs
+            assert torch.equal(cache[0][slot], k.view(kv_heads, d)) and torch.equal(cache[1][slot], v.view(kv_heads, d))
+    finally:
+        set_kv_cache_layout(None)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+    keys = torch.cat((old_k, k.view(1, kv_heads, d))).float().repeat_interleave(heads // kv_heads, 1)
+    values = torch.cat((old_v, v.view(1, kv_heads, d))).float().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("hd,thd->ht", q.view(heads, d).float(), keys) * d**-0.5
+    ref = torch.einsum("ht,thd->hd", scores.softmax(-1), values).reshape(1, -1)
+    assert_close(outs[0], ref, dtype)
+
+
 def test_through_vattn_attention_layer() -> None:
     """The real layer and the opaque op pass scale, window, sinks and fp8 scales through."""
     import vattn

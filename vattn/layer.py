@@ -17,6 +17,7 @@ from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.forward_context import get_forward_context
 from vattn.ops.attention import check_call
 from vattn.ops.kv_store import fp8_dtype_for
+from vattn.ops.library import eager_direct_ok
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8
 from vattn.platform import current_platform
 from vattn.selector import backend_name_to_enum, get_attn_backend
@@ -306,11 +307,13 @@ class Attention(nn.Module, AttentionLayerBase):
         output_shape: torch.Size | None = None,
     ) -> torch.Tensor:
         """Attend over the paged cache. Shapes in the class docstring; returns (T, H*D)."""
+        direct = self.use_direct_call
         if not torch.compiler.is_compiling():
             # Under torch.compile the attention op's fake implementation runs the same checks
             # (``check_traced_inputs``) natively, where Dynamo would trace every comparison in
             # every layer (tens of ms each).
             self._check_inputs(query, key, value)
+            direct = direct or eager_direct_ok(query, key, value)
         if self.calculate_kv_scales:
             torch.ops.vattn.maybe_calc_kv_scales(
                 query, key, value, self._q_scale, self._k_scale, self._v_scale, self.layer_name
@@ -330,12 +333,12 @@ class Attention(nn.Module, AttentionLayerBase):
         if self.use_output:
             output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
             output = output.view(-1, self.num_heads, self.head_size)
-            if self.use_direct_call:
+            if direct:
                 self._direct_forward(query, key, value, output)
             else:
                 torch.ops.vattn.unified_attention_with_output(query, key, value, output, self.layer_name)
             return output.view(-1, output_shape[-1])
-        if self.use_direct_call:
+        if direct:
             out = self._direct_forward(query, key, value, None)
         else:
             out = torch.ops.vattn.unified_attention(query, key, value, self.layer_name)

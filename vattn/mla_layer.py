@@ -23,6 +23,7 @@ from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.forward_context import get_forward_context
 from vattn.ops.attention import check_call
+from vattn.ops.library import eager_direct_ok
 from vattn.platform import current_platform
 from vattn.selector import backend_name_to_enum, get_attn_backend
 
@@ -181,8 +182,10 @@ class MLAAttention(nn.Module, AttentionLayerBase):
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 output_shape: torch.Size | None = None) -> torch.Tensor:
         """Attend over the paged latent cache; shapes in the class docstring. Returns (T, H * V)."""
+        direct = self.use_direct_call
         if not torch.compiler.is_compiling():
             self._check_inputs(q, kv_c_normed, k_pe)
+            direct = direct or eager_direct_ok(q, kv_c_normed, k_pe)
         t = q.shape[0]
         if output_shape is None:
             output_shape = torch.Size((t, self.num_heads * self.v_head_dim))
@@ -191,7 +194,7 @@ class MLAAttention(nn.Module, AttentionLayerBase):
         if k_pe.dim() == 3:
             k_pe = k_pe.squeeze(1)
         output = torch.empty(output_shape, dtype=q.dtype, device=q.device).view(-1, self.num_heads, self.v_head_dim)
-        if self.use_direct_call:
+        if direct:
             ctx = get_forward_context()
             md = ctx.metadata_for(self.layer_name)
             if md is None:

@@ -14,6 +14,7 @@ kernel before is a norm, attention or another GEMV).
 | argument | shape | layout |
 | --- | --- | --- |
 | ``x`` | (1, K), or (1, 2K) ``[gate | up]`` with ``silu_mul`` | contiguous |
+| ``up`` | (1, K): with ``silu_mul``, an up projection apart from the gate ``x`` | contiguous |
 | ``weight`` | (N, K) | ``nn.Linear`` layout, row-major |
 | ``out``, ``residual`` | (1, N) | contiguous |
 | ``norm_weight`` | (K,) | contiguous |
@@ -65,7 +66,7 @@ def _transform(x, up, nw, rstd, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn, eps, rope_cols,
+    x_ptr, up_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn, eps, rope_cols,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr,
     RESIDUAL: tl.constexpr, ROPE_DIM: tl.constexpr, USE_PDL: tl.constexpr, UNSIGNED_SIN: tl.constexpr = False,
 ):
@@ -107,7 +108,7 @@ def _gemv_kernel(
     x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
     up = x  # unused unless SILU_MUL
     if SILU_MUL:
-        up = tl.load(x_ptr + K + offs_k, mask=k_ok, other=0.0)
+        up = tl.load(up_ptr + offs_k, mask=k_ok, other=0.0)
     res = tl.full([ROWS], 0.0, tl.float32)
     if RESIDUAL:
         res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -146,7 +147,7 @@ def _gemv_kernel(
                          eviction_policy="evict_first")
         x = tl.load(x_ptr + offs, mask=ok, other=0.0)
         if SILU_MUL:
-            up = tl.load(x_ptr + K + offs, mask=ok, other=0.0)
+            up = tl.load(up_ptr + offs, mask=ok, other=0.0)
         if RMS_NORM:
             nw = tl.load(nw_ptr + offs, mask=ok, other=0.0)
         xt = _transform(x, up, nw, rstd, SILU_MUL, RMS_NORM)[None, :]
@@ -221,6 +222,7 @@ def launch_gemv(
     rope_sin: torch.Tensor | None = None,
     rope_cols: int = 0,
     rope_unsigned_sin: bool = False,
+    up: torch.Tensor | None = None,
     pdl: bool = False,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -230,7 +232,7 @@ def launch_gemv(
     first and a residual added after.
 
     Args:
-        x: (1, K) or, with ``silu_mul``, (1, 2K) as ``[gate | up]``; contiguous.
+        x: (1, K) or, with ``silu_mul``, (1, 2K) as ``[gate | up]`` (or the gate (1, K) with ``up``); contiguous.
         weight: (N, K) with unit stride along K.
         out: (1, N) contiguous, the dtype of ``x``.
         silu_mul: apply SwiGLU's ``silu(gate) * up`` to ``x`` first.
@@ -249,6 +251,8 @@ def launch_gemv(
             projected (a fused QKV projection's v heads).
         rope_unsigned_sin: ``rope_sin`` is the plain table of ``transformers``' rotate-half
             form, ``y * cos + cat(-y2, y1) * sin``: the kernel negates its first half.
+        up: with ``silu_mul``, the up projection (1, K) contiguous when it is not x's second half
+            (a model with separate gate and up projections).
         pdl: launch with programmatic dependent launch (sm_90+; see the module docstring).
         block_n / block_k / num_warps: output features per program, inputs per step (at most
             K rounded up to a power of two), warps. Defaults: ``default_tiles(N, K, device)``,
@@ -264,8 +268,10 @@ def launch_gemv(
         tiles = default_tiles(n, k, weight.device)
         block_n, block_k, num_warps = block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2]
     rope_dim = _check_rope(rope_cos, rope_sin, rope_cols, n, block_n, residual)
+    if up is not None and not silu_mul:
+        raise ValueError("gemv: up is the SwiGLU up projection; pass it with silu_mul=True.")
     _launch[(triton.cdiv(n, block_n),)](
-        x, weight, out, residual if residual is not None else out,
+        x, x[:, k:] if silu_mul and up is None else (up if up is not None else x), weight, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight,
         rope_cos if rope_dim else weight, rope_sin if rope_dim else weight,
         n, k, weight.stride(0), float(eps), rope_cols,

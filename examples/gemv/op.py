@@ -27,11 +27,13 @@ def gemv(
     rope_sin: torch.Tensor | None = None,
     rope_cols: int = 0,
     rope_unsigned_sin: bool = False,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T`` (x (T, K), weight (N, K) -> (T, N)), with the input and output
+    """``x @ weight.T`` (x (..., K), weight (N, K) -> (..., N)), with the input and output
     transforms of a decoder layer's projections:
 
-    * ``silu_mul``: x is (T, 2K) ``[gate | up]`` and enters as ``silu(gate) * up``;
+    * ``silu_mul``: x is (T, 2K) ``[gate | up]`` and enters as ``silu(gate) * up``; or, with
+      ``up`` (T, K) given, x is the gate (T, K) (separate gate and up projections);
     * ``norm_weight`` (K,): x enters RMSNorm'd, ``norm_weight * (x.float() *
       rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)`` (the example model's and
       ``transformers``' RMSNorm);
@@ -39,13 +41,14 @@ def gemv(
       then the add);
     * ``rope_cos`` / ``rope_sin`` (broadcastable to (T, rope_cols // D, D), D their last
       dim), ``rope_cols``: the first ``rope_cols`` outputs, viewed as heads of D, leave
-      rotated by neox-style RoPE, ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
+      rotated by neox-style RoPE (x 2-D, or one row with leading dims of 1), ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
       rotate-half needs it: its first half ``-sin``); the rest as projected. Not with ``residual``.
       ``rope_unsigned_sin``: ``sin`` is the plain table ``transformers``' ``rotate_half`` takes,
       ``y * cos + cat(-y2, y1) * sin`` (the same rotation).
 
-    One bf16/fp16 row on CUDA runs ``examples.gemv.kernel.launch_gemv`` (with programmatic
-    dependent launch on sm_90+); anything else the same steps in torch.
+    One bf16/fp16 row on CUDA (x (1, K), or (1, 1, K) as ``transformers`` models carry their
+    batch dim) runs ``examples.gemv.kernel.launch_gemv`` (with programmatic dependent launch on
+    sm_90+); anything else the same steps in torch.
     """
     n, k = weight.shape
     dt = x.dtype
@@ -56,9 +59,14 @@ def gemv(
             f"vattn_examples::gemv: RoPE needs rope_cos and rope_sin of one even head size D, 0 < rope_cols <= N with "
             f"rope_cols and N multiples of D, and no residual; got rope_sin {'None' if rope_sin is None else 'set'}, "
             f"D={rope_cos.shape[-1]}, rope_cols={rope_cols}, N={n}, residual {'set' if residual is not None else 'None'}.")
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dt in (torch.float16, torch.bfloat16)
-            and weight.dtype == dt and weight.stride(1) == 1 and x.stride(1) == 1
-            and (residual is None or (residual.shape == (1, n) and residual.dtype == dt
+    lead = x.shape[:-1]
+    if up is not None and (not silu_mul or up.shape != x.shape or up.dtype != dt):
+        raise ValueError(f"vattn_examples::gemv: up (the SwiGLU up projection) needs silu_mul and x's shape and "
+                         f"dtype; got silu_mul={silu_mul}, x {tuple(x.shape)} {dt}, up {tuple(up.shape)} {up.dtype}.")
+    if (x.is_cuda and x.dim() >= 2 and x.numel() == x.shape[-1] and dt in (torch.float16, torch.bfloat16)
+            and (up is None or up.stride(-1) == 1)
+            and weight.dtype == dt and weight.stride(1) == 1 and x.stride(-1) == 1
+            and (residual is None or (residual.shape == (*lead, n) and residual.dtype == dt
                                       and residual.is_contiguous()))
             and (norm_weight is None or (norm_weight.shape == (k,) and norm_weight.dtype == dt
                                          and norm_weight.stride(0) == 1 and not silu_mul))
@@ -66,32 +74,35 @@ def gemv(
                                  for t in (rope_cos, rope_sin)))):
         from examples.gemv.kernel import launch_gemv
 
-        out = torch.empty(1, n, dtype=dt, device=x.device)
-        launch_gemv(x, weight, out, silu_mul=silu_mul, residual=residual, norm_weight=norm_weight, eps=eps,
+        out = torch.empty(*lead, n, dtype=dt, device=x.device)
+        launch_gemv(x.view(1, -1), weight, out.view(1, n), silu_mul=silu_mul,
+                    residual=None if residual is None else residual.view(1, n), norm_weight=norm_weight, eps=eps,
                     rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols, rope_unsigned_sin=rope_unsigned_sin,
-                    pdl=pdl_supported(x.device))
+                    up=None if up is None else up.view(1, -1), pdl=pdl_supported(x.device))
         return out
     if silu_mul:
-        x = torch.nn.functional.silu(x[..., :k]) * x[..., k:]
+        x = torch.nn.functional.silu(x[..., :k]) * (x[..., k:] if up is None else up)
     if norm_weight is not None:
         xf = x.float()
         x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
     out = torch.nn.functional.linear(x, weight)
     if rope:
         half = rope_cos.shape[-1] // 2
-        heads = out[:, :rope_cols].unflatten(-1, (-1, 2 * half))
+        flat = out.reshape(-1, n)  # (T, N): cos / sin broadcast over (T, heads, D)
+        heads = flat[:, :rope_cols].unflatten(-1, (-1, 2 * half))
+        cos, sin = rope_cos.reshape(-1, 1, 2 * half), rope_sin.reshape(-1, 1, 2 * half)
         if rope_unsigned_sin:
-            heads = heads * rope_cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * rope_sin
+            heads = heads * cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * sin
         else:
-            heads = heads * rope_cos + heads.roll(half, -1) * rope_sin
-        return torch.cat([heads.flatten(1).to(out.dtype), out[:, rope_cols:]], dim=1)
+            heads = heads * cos + heads.roll(half, -1) * sin
+        return torch.cat([heads.flatten(1).to(out.dtype), flat[:, rope_cols:]], dim=1).view(out.shape)
     return out if residual is None else out + residual
 
 
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos: torch.Tensor | None = None,
                rope_sin: torch.Tensor | None = None, rope_cols: int = 0,
-               rope_unsigned_sin: bool = False) -> torch.Tensor:
+               rope_unsigned_sin: bool = False, up: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -6,6 +6,8 @@ code compiled for exactly one token (``examples.gemv.OneTokenGemv`` calls it):
 * ``F.linear(x, w)`` without a bias becomes ``vattn_examples::gemv(x, w, False)``;
 * ``F.linear(silu(h[..., :I]) * h[..., I:], w)`` with ``h.split(I, -1)`` into two halves
   (SwiGLU) becomes ``vattn_examples::gemv(h, w, True)``, which applies the activation as it reads;
+  ``F.linear(silu(g) * u, w)`` with separate gate and up projections (``transformers``' Llama
+  MLP) becomes ``vattn_examples::gemv(g, w, True, up=u)``;
 * ``F.linear(rms_norm(h), w)`` with ``transformers``' RMSNorm (float32 mean square, cast
   back, times the weight) becomes ``vattn_examples::gemv(h, w, False, None, weight, eps)``;
 * ``F.linear(x, w) + r`` (either order, same shape and dtype) passes ``r`` as the residual;
@@ -71,6 +73,25 @@ def _swiglu_input(x: Any) -> fx.Node | None:
         return None
     h = _split_half(act.args[0], 0)
     return h if h is not None and _split_half(up, 1) is h else None
+
+
+def _swiglu_pair(x: Any) -> tuple[fx.Node, fx.Node] | None:
+    """``(gate, up)`` when ``x`` is ``silu(gate) * up`` with two tensors of one shape and 16-bit
+    dtype (separate gate and up projections, as ``transformers``' Llama MLP has them)."""
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _MUL and len(x.args) == 2
+            and not x.kwargs):
+        return None
+    act, up = x.args
+    if not (isinstance(act, fx.Node) and act.op == "call_function" and act.target in _SILU
+            and not act.kwargs.get("inplace", False) and len(act.args) == 1):
+        return None
+    gate = act.args[0]
+    g_val, u_val = _value(gate), _value(up)
+    if (g_val is None or u_val is None or g_val.dtype is not u_val.dtype
+            or g_val.dtype not in (torch.float16, torch.bfloat16) or g_val.dim() != u_val.dim()
+            or not all(statically_known_true(a == b) for a, b in zip(g_val.shape, u_val.shape))):
+        return None
+    return gate, up
 
 
 def _call(node: Any, functions: tuple[Any, ...] = (), method: str | None = None) -> bool:
@@ -263,7 +284,7 @@ def _rope_epilogue(linear: fx.Node) -> _Rope | None:
     of its first heads, as the example model (fused QKV) or a transformers-style model
     (separate q / k projections) writes it::
 
-        qkv = linear.view(T, heads, D)
+        qkv = linear.view(T, heads, D)  # transformers: (1, T, N).view(1, T, heads, D).transpose(1, 2)
         x = qkv[:, :R]          # the heads RoPE rotates (or x = qkv: all of them)
         add = x * cos + x.roll(D // 2, -1) * sin    # sin signed: its first half -sin
         add = x * cos + torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1) * sin  # or this
@@ -276,13 +297,19 @@ def _rope_epilogue(linear: fx.Node) -> _Rope | None:
     (view,) = linear.users
     out_val, view_val = _value(linear), _value(view)
     if not (_call(view, method="view") and view.args[0] is linear and out_val is not None
-            and view_val is not None and view_val.dim() == 3 and out_val.dim() == 2):
+            and view_val is not None and (out_val.dim(), view_val.dim()) in ((2, 3), (3, 4))):
         return None
-    heads, d = view_val.shape[1], view_val.shape[2]
+    heads, d = view_val.shape[-2], view_val.shape[-1]
     if not isinstance(d, int) or not isinstance(heads, int) or d % 2:
         return None
     found, r = None, 0
-    if all(_head_slice(u, view) is None for u in view.users):
+    if out_val.dim() == 3:  # transformers: (1, T, N) -> view (1, T, H, D) -> transpose(1, 2), every head rotated
+        tr = next(iter(view.users)) if len(view.users) == 1 else None
+        if not (_call(tr, (torch.transpose,), "transpose") and tr.args[0] is view and not tr.kwargs
+                and {a % 4 for a in tr.args[1:]} == {1, 2} and len(tr.args) == 3):
+            return None
+        found, r = tr, heads
+    elif all(_head_slice(u, view) is None for u in view.users):
         found, r = view, heads  # every head rotated
     else:
         for use in view.users:
@@ -316,11 +343,11 @@ def _rope_epilogue(linear: fx.Node) -> _Rope | None:
     if cos is None or sin is None:
         return None
     cos, sin = cos[1], sin[1]
-    dt = out_val.dtype
-    for t in (cos, sin):
+    dt, ndim = out_val.dtype, view_val.dim()
+    for t in (cos, sin):  # (T or 1, 1, D), or (1, 1, T or 1, D) beside transformers' (1, H, T, D)
         val = _value(t)
-        if (val is None or val.dtype is not dt or val.dim() != 3 or val.shape[-1] != d
-                or not statically_known_true(val.shape[1] == 1)):
+        if (val is None or val.dtype is not dt or val.dim() != ndim or val.shape[-1] != d
+                or not all(statically_known_true(s == 1) for s in val.shape[1:ndim - 2])):
             return None
     if _value(add) is None or _value(add).dtype is not dt:
         return None
@@ -357,10 +384,14 @@ def rewrite(gm: fx.GraphModule) -> int:
         if bias is not None:
             continue
         args: tuple[Any, ...] = (x, w, False, None, None, 0.0)
+        kwargs: dict[str, Any] = {}
         h = _swiglu_input(x)
-        norm = None if h is not None else _rms_norm_input(x)
+        pair = None if h is not None else _swiglu_pair(x)
+        norm = None if h is not None or pair is not None else _rms_norm_input(x)
         if h is not None:
             args = (h, w, True, None, None, 0.0)
+        elif pair is not None:  # the up projection as its own input
+            args, kwargs = (pair[0], w, True, None, None, 0.0), {"up": pair[1]}
         elif norm is not None:
             args = (norm[0], w, False, None, norm[1], norm[2])
         res = _residual_add(node)
@@ -373,7 +404,7 @@ def rewrite(gm: fx.GraphModule) -> int:
         if rope is not None:
             args = (*args, rope.cos, rope.sin, rope.cols, rope.unsigned_sin)
         with gm.graph.inserting_before(anchor):
-            new = gm.graph.call_function(torch.ops.vattn_examples.gemv.default, args)
+            new = gm.graph.call_function(torch.ops.vattn_examples.gemv.default, args, kwargs)
         new.meta.update(anchor.meta)
         anchor.replace_all_uses_with(new)
         gm.graph.erase_node(anchor)
@@ -384,7 +415,7 @@ def rewrite(gm: fx.GraphModule) -> int:
             for dead in rope.dead:
                 gm.graph.erase_node(dead)
         count += 1
-        fused += (h is not None) + (norm is not None) + (res is not None) + (rope is not None)
+        fused += (h is not None or pair is not None) + (norm is not None) + (res is not None) + (rope is not None)
     if count:  # the SwiGLU and norm nodes left unused are dropped by Inductor's dead-code elimination
         gm.recompile()
         logger.debug("OneTokenGemv: %d linear layers -> vattn_examples::gemv, %d input/output fusions", count, fused)

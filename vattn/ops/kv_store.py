@@ -11,7 +11,7 @@ import torch
 
 from vattn.ops.library import register_op
 
-__all__ = ["fp8_dtype_for", "kv_cache_torch_dtype", "reshape_and_cache_flash", "store_kv"]
+__all__ = ["fp8_dtype_for", "kv_cache_torch_dtype", "reshape_and_cache_flash", "store_kv", "store_rows", "valid_slots"]
 
 _FP8 = {
     "fp8": torch.float8_e4m3fn,
@@ -45,31 +45,54 @@ def quantize_to_cache(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return (x.float() / scale.float()).clamp(finfo.min, finfo.max).to(dtype)
 
 
-def _torch_store_kv(
+def valid_slots(slot_mapping: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots, rows): the int64 slots of the first ``num_rows`` entries of ``slot_mapping`` that
+    are >= 0, and the row of each (None when every one of them is valid: rows 0..len(slots)).
+    Boolean indexing: a host sync on CUDA, free on the CPU (where ``store_rows`` serves)."""
+    slots = slot_mapping[:num_rows].long()
+    valid = slots >= 0
+    if bool(valid.all()):
+        return slots, None
+    return slots[valid], valid.nonzero().squeeze(1)
+
+
+def store_rows(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor | None,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    n = min(key.shape[0], slot_mapping.shape[0])
-    slots = slot_mapping[:n].long()
-    k, v = key[:n], value[:n]
-    valid = slots >= 0  # boolean indexing: syncs on CUDA, fine on CPU
-    if not bool(valid.all()):
-        slots, k, v = slots[valid], k[valid], v[valid]
+    """The torch write of ``store_kv``, for slots already filtered (``valid_slots``): rows
+    ``rows`` of key/value (T, Hk, D) (None: the first ``len(slots)``) go to ``slots`` (int64,
+    all >= 0). TORCH_SDPA's metadata computes (slots, rows) once per step on the CPU."""
+    if rows is None:
+        k, v = key[: slots.shape[0]], value[: slots.shape[0]]
+    else:
+        k, v = key[rows], value[rows]
     if key_cache.dtype != k.dtype and key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         k = quantize_to_cache(k, k_scale, key_cache.dtype)
         v = quantize_to_cache(v, v_scale, value_cache.dtype)
-    with torch.no_grad():  # the cache never carries autograd history
-        for cache, x in ((key_cache, k), (value_cache, v)):
-            if cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.element_size() > 1:
-                # NHD: slots are rows of a flat view (index_copy_ has no fp8 kernel on CPU)
-                cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
-            else:
-                cache[slots // cache.shape[1], slots % cache.shape[1]] = x.to(cache.dtype)
+    if torch.is_grad_enabled():
+        with torch.no_grad():  # the cache never carries autograd history
+            _write(key_cache, value_cache, k, v, slots)
+    else:
+        _write(key_cache, value_cache, k, v, slots)
+
+
+def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           slots: torch.Tensor) -> None:
+    for cache, x in ((key_cache, k), (value_cache, v)):
+        if x.dtype != cache.dtype:
+            x = x.to(cache.dtype)
+        if cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.element_size() > 1:
+            # NHD: slots are rows of a flat view (index_copy_ has no fp8 kernel on CPU)
+            cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots, x)
+        else:
+            cache[slots // cache.shape[1], slots % cache.shape[1]] = x
 
 
 def store_kv(
@@ -98,7 +121,8 @@ def store_kv(
 
         triton_store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
         return
-    _torch_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    slots, rows = valid_slots(slot_mapping, min(key.shape[0], slot_mapping.shape[0]))
+    store_rows(key, value, key_cache, value_cache, slots, rows, k_scale, v_scale)
 
 
 # ---- KV-cache write -------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch.library import Library, infer_schema
 
-__all__ = ["python_impl", "register_op", "vattn_lib"]
+__all__ = ["eager_direct_ok", "python_impl", "register_op", "vattn_lib"]
 
 vattn_lib = Library("vattn", "FRAGMENT")
 _IMPLS: dict[str, Callable[..., object]] = {}
@@ -49,3 +49,13 @@ def python_impl(op: object) -> Callable[..., object] | None:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return _IMPLS.get(op._qualified_op_name)
     return None
+
+
+def eager_direct_ok(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager layer call may run its op's Python implementation directly (skipping
+    the dispatcher, a few microseconds a layer): not while anything traces the call (Dynamo,
+    or a dispatch mode such as ``make_fx`` or ``FakeTensorMode``, which must see the opaque op)
+    and not where autograd would record the implementation's ops (the op is opaque to it)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))

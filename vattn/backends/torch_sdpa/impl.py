@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from vattn.backends.abstract import AttentionImpl, AttentionType
 from vattn.backends.torch_sdpa.metadata import TorchSDPAMetadata
 from vattn.config import CACHE_DTYPES
-from vattn.ops.kv_store import store_kv
+from vattn.ops.kv_store import store_kv, store_rows
 
 if TYPE_CHECKING:
     from vattn.layer import Attention
@@ -106,8 +106,13 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         else:
             key_cache, value_cache = kv_cache.unbind(0)
             if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-                store_kv(key, value, key_cache, value_cache, md.slot_mapping,
-                         self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+                if (md.store_slots is not None and key.shape[0] == md.slot_mapping.shape[0]
+                        and key_cache.device == md.store_slots.device):
+                    store_rows(key, value, key_cache, value_cache, md.store_slots, md.store_rows,
+                               layer._k_scale, layer._v_scale)
+                else:
+                    store_kv(key, value, key_cache, value_cache, md.slot_mapping,
+                             self.kv_cache_dtype, layer._k_scale, layer._v_scale)
             if md.key_block is None or md.key_offset is None:
                 raise ValueError(
                     "block_table_tensor has too few columns for max_seq_len "
@@ -133,6 +138,19 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         keys past seq_len are masked (and zeroed: stale slots may hold anything). One request
         without a window reads exactly its seq_len keys: no mask at all."""
         assert md.decode_blocks is not None and md.decode_key_valid is not None
+        first = md.decode_first_block
+        s_kv, s_block, s_tok, s_head, s_dim = kv_cache.stride()
+        if (first is not None and self.window is None and kv_cache.element_size() > 1
+                and s_block == kv_cache.shape[2] * s_tok):
+            # One request on consecutive blocks of an NHD cache: its tokens are one strided run,
+            # so its keys and values are a view (float32: no copy), (1, Hk, seq_len, D) each.
+            kv = kv_cache.as_strided((2, 1, self.num_kv_heads, md.max_seq_len, self.head_size),
+                                     (s_kv, 0, s_head, s_tok, s_dim), kv_cache.storage_offset() + first * s_block)
+            k, v = (kv if kv.dtype == torch.float32 else kv.float()).unbind(0)
+            q = query[:1].reshape(1, self.num_kv_heads, self.num_queries_per_kv, self.head_size).float()
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # (1, Hk, G, D): 4-D (CPU flash kernel)
+            output[0] = out.view(self.num_heads, self.head_size)
+            return output
         B = md.decode_blocks.shape[0]
         k, v = self._read_blocks(kv_cache, md.decode_blocks, layer)
         # One query token per request: the G = H / Hk query heads of a KV head become G query rows

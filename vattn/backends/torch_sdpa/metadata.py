@@ -13,6 +13,7 @@ from vattn.backends.abstract import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vattn.ops.kv_store import valid_slots
 
 __all__ = ["TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]
 
@@ -34,6 +35,8 @@ class TorchSDPAMetadata(AttentionMetadata):
     | causal | bool | the batch's causal flag |
     | decode_blocks | (B, ceil(Lk / block_size)) int64, or None | a decode-only batch (one token per request): each request's blocks, which the decode path gathers whole |
     | decode_key_valid | (B, 1, 1, Lb) bool, or None | key j < seq_len in those blocks (Lb = their tokens) |
+    | decode_first_block | int, or None | CPU, one decoding request whose blocks are consecutive: the first (its keys are a view of the cache) |
+    | store_slots, store_rows | (S,) int64, (S,) int64 or None; or None | CPU: the valid entries of ``slot_mapping`` and their rows (None: rows 0..S-1), for ``store_rows``; None on other devices (``store_kv`` filters in its kernel) |
     """
 
     num_actual_tokens: int
@@ -58,6 +61,9 @@ class TorchSDPAMetadata(AttentionMetadata):
     causal: bool = True
     decode_blocks: torch.Tensor | None = None
     decode_key_valid: torch.Tensor | None = None
+    decode_first_block: int | None = None
+    store_slots: torch.Tensor | None = None
+    store_rows: torch.Tensor | None = None
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
@@ -99,11 +105,16 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         r = torch.searchsorted(qsl[1:], t, right=True)
         output_index = r * Lq + (t - qsl[r])
 
-        decode_blocks = decode_key_valid = None
+        decode_blocks = decode_key_valid = decode_first_block = None
         if Lq == 1 and cm.num_actual_tokens == B and B and bt.shape[1] >= n_blocks:
             decode_blocks = bt[:B, :n_blocks].long()
             lb = torch.arange(n_blocks * block_size, device=dev)
             decode_key_valid = (lb[None, :] < seq_lens[:, None])[:, None, None, :]
+            if B == 1 and dev.type == "cpu" and bool((decode_blocks[0].diff() == 1).all()):
+                decode_first_block = int(decode_blocks[0, 0])
+        store_slots = store_rows = None
+        if dev.type == "cpu":  # host data: filtering the slots once here saves each layer's store the work
+            store_slots, store_rows = valid_slots(cm.slot_mapping, cm.slot_mapping.shape[0])
 
         qlens_cpu = cm.query_lens_cpu[:B]
         thr = self.reorder_batch_threshold or 1
@@ -133,4 +144,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             causal=cm.causal,
             decode_blocks=decode_blocks,
             decode_key_valid=decode_key_valid,
+            decode_first_block=decode_first_block,
+            store_slots=store_slots,
+            store_rows=store_rows,
         )
