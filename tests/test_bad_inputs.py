@@ -615,6 +615,41 @@ def test_debug_checks_on_device_metadata(rig: Rig) -> None:
     rig.rejects(ValueError, "slot_mapping", lambda: rig.run(rig.hand(slots=[7, 16, 17, 18, 19, 2**30])))
 
 
+def test_unchecked_block_limit_only_for_tables_the_host_never_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builders clamp a block table only where the host never saw its ids (device-only hand-built
+    metadata), to the bound cache's block count; tables vattn checked are used as they are."""
+    rig = Rig("TORCH_SDPA", "cpu", monkeypatch)
+    builder = rig.kv.groups[0].builder
+    assert builder.unchecked_block_limit(rig.common()) is None  # kv.common_metadata: ids checked
+    cm = rig.hand()  # CPU tensors: checked on the host against the cache it meets
+    assert builder.unchecked_block_limit(cm) is None
+    cm.host_checks.host_batch = None  # what device tensors leave: nothing known on the host
+    assert builder.unchecked_block_limit(cm) == NB
+
+
+@pytest.mark.parametrize("rig", [BACKENDS[2], BACKENDS[3], BACKENDS[4], BACKENDS[5]], indirect=True)
+@pytest.mark.parametrize("bad", ["block_past_cache", "block_negative", "slot_past_cache"])
+def test_device_metadata_without_debug_checks_never_faults(rig: Rig, bad: str) -> None:
+    """Without debug checks a hand-built step's device-only block ids and slots are not read on
+    the host; bad ones give wrong values but never fault the GPU: block tables of unchecked
+    metadata are clamped into the cache (TORCH_SDPA, FLASHINFER), the store skips slots past it.
+    The CUDA context stays usable and the cache outside the step's valid slots is untouched."""
+    over = {"block_past_cache": dict(table=[[0], [1 << 20]]), "block_negative": dict(table=[[0], [-5]]),
+            "slot_past_cache": dict(slots=[7, 16, 17, 18, 19, 1 << 40])}[bad]
+    if rig.backend in ("TRITON_ATTN", "FLASH_ATTN") and bad != "slot_past_cache":
+        pytest.skip(f"{rig.backend} reads its block table in its own kernels: run with VATTN_DEBUG_CHECKS=1")
+    q, k, v = rig.qkv()
+    before = rig.snapshot()
+    # The same writes as a valid step (the slot past the cache as padding): nothing else changes.
+    rig.run(rig.hand(slots=[7, 16, 17, 18, 19, -1]) if bad == "slot_past_cache" else rig.hand(), q, k, v)
+    want = rig.snapshot()
+    for name, t in before.items():
+        rig.kv.tensors[name].copy_(t)
+    rig.run(rig.hand(**over), q, k, v)
+    assert all(torch.equal(rig.kv.tensors[n], t) for n, t in want.items())
+    assert rig.run().isfinite().all()  # the context still works
+
+
 def test_debug_checks_skip_valid_and_padded_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VATTN_DEBUG_CHECKS", "1")
     rig = Rig("TORCH_SDPA", "cpu", monkeypatch)

@@ -128,6 +128,47 @@ def test_kernel_separate_up_matches_the_concatenated_input(with_residual: bool) 
         triton_gemv.launch_gemv(gate, w, got, up=up)
 
 
+@pytest.mark.parametrize("ns, rope_segs", [((48, 16, 16), 2), ((40, 24), 0), ((16, 32, 8), 0), ((32, 16), 1)])
+def test_kernel_group_matches_one_gemv_each(ns: tuple[int, ...], rope_segs: int) -> None:
+    """2 or 3 projections of one input in one launch (RMSNorm on the input, RoPE on every head
+    of the first ``rope_segs``): the same bits as one ``launch_gemv`` each."""
+    g = torch.Generator().manual_seed(sum(ns))
+    k = 100
+    x = (3 * torch.randn(1, k, generator=g)).to(DEV, torch.bfloat16)
+    nw = (1 + torch.randn(k, generator=g) / 4).to(DEV, torch.bfloat16)
+    ws = [torch.randn(n, k, generator=g).to(DEV, torch.bfloat16) for n in ns]
+    cos, sin = (t.to(DEV) for t in _rope_tables(8, torch.bfloat16, g))
+    outs = [torch.full((1, n), 7.0, device=DEV, dtype=torch.bfloat16) for n in ns]
+    rope = dict(rope_cos=cos, rope_sin=sin) if rope_segs else {}
+    triton_gemv.launch_gemv_group(x, ws, outs, norm_weight=nw, eps=1e-5, rope_segs=rope_segs, **rope,
+                                  block_n=4, block_k=32, num_warps=4)
+    for i, (w, out) in enumerate(zip(ws, outs)):
+        want = torch.empty(1, w.shape[0], device=DEV, dtype=torch.bfloat16)
+        extra = dict(rope, rope_cols=w.shape[0]) if i < rope_segs else {}
+        triton_gemv.launch_gemv(x, w, want, norm_weight=nw, eps=1e-5, block_n=4, block_k=32, num_warps=4, **extra)
+        assert torch.equal(out, want), f"projection {i}"
+
+
+def test_op_group_fallback_and_opcheck() -> None:
+    """Off the GPU fast path the group op is one gemv per weight, rotated where asked; bad
+    arguments are refused by name."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1, 24, generator=g).bfloat16()
+    ws = [torch.randn(n, 24, generator=g).bfloat16() for n in (32, 16, 16)]
+    nw = torch.randn(24, generator=g).bfloat16()
+    cos, sin = (t.view(1, 1, 1, 16) for t in _rope_tables(16, torch.bfloat16, g))
+    got = torch.ops.vattn_examples.gemv_group(x, ws, nw, 1e-5, cos, sin, 2, False)
+    for i, (w, out) in enumerate(zip(ws, got)):
+        rope = (cos, sin, w.shape[0]) if i < 2 else ()
+        assert torch.equal(out, torch.ops.vattn_examples.gemv(x, w, False, None, nw, 1e-5, *rope))
+    opcheck(torch.ops.vattn_examples.gemv_group.default, (x, ws, nw, 1e-5, cos, sin, 2, False))
+    opcheck(torch.ops.vattn_examples.gemv_group.default, (x, ws[:2]))
+    with pytest.raises(ValueError, match="2 or 3 weights"):
+        torch.ops.vattn_examples.gemv_group(x, ws[:1])
+    with pytest.raises(ValueError, match="rope_segs"):
+        torch.ops.vattn_examples.gemv_group(x, ws, None, 0.0, None, None, 1)
+
+
 def test_kernel_rejects_silu_mul_with_norm() -> None:
     x, w = torch.randn(1, 8), torch.randn(4, 4)
     with pytest.raises(ValueError, match="exclusive"):
@@ -611,24 +652,13 @@ class _HFStyleAttentionInput(torch.nn.Module):
         return q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin, v
 
 
-def test_rewrite_fuses_transformers_rotate_half() -> None:
-    """transformers' form: q and k projections take RoPE (all their heads, the plain sin),
-    v's stays plain; the rotation's nodes are gone and q, k, v are the same bit for bit."""
-    torch.manual_seed(0)
-    model = _HFStyleAttentionInput().to(torch.bfloat16).eval()
-    angle = torch.rand(1, 8) * 30
-    cos = torch.cat((angle.cos(), angle.cos()), -1).bfloat16()
-    sin = torch.cat((angle.sin(), angle.sin()), -1).bfloat16()
-    x = torch.randn(1, 32, dtype=torch.bfloat16)
-    gm, inputs = _dynamo_graph(model, x, cos, sin)
-    want = model(x, cos, sin)
-    assert one_token_gemv.rewrite(gm) == 3
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
-    assert [n.args[8:] for n in calls] == [(4 * 16, True), (2 * 16, True), ()]
-    gm.graph.eliminate_dead_code()
-    assert not [n for n in gm.graph.nodes if n.target is torch.cat]
-    got = gm(*inputs)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+def _one_group(gm: torch.fx.GraphModule, weights: int, rope_segs: int) -> torch.fx.Node:
+    """The graph's only ``vattn_examples::gemv_group`` (and no gemv left): ``weights`` projections
+    of one input, the first ``rope_segs`` rotated with the plain (rotate-half) sin."""
+    (group,) = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv_group.default]
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
+    assert len(group.args[1]) == weights and group.args[6:] == (rope_segs, True)
+    return group
 
 
 class _HFBatchFirstAttentionInput(_HFStyleAttentionInput):
@@ -645,20 +675,23 @@ class _HFBatchFirstAttentionInput(_HFStyleAttentionInput):
         return q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin, v
 
 
-def test_rewrite_fuses_transformers_batch_first_rope() -> None:
-    """transformers' (1, T, N) -> (1, heads, T, D) layout: q and k take RoPE, v does not, and
-    q, k, v are the same bit for bit."""
+@pytest.mark.parametrize("layout", ["token_major", "batch_first"])
+def test_rewrite_fuses_transformers_rotate_half(layout: str) -> None:
+    """transformers' form, token-major (T, heads, D) or as its Llama lays it out (1, heads, T, D):
+    q and k projections take RoPE (all their heads, the plain sin), v's stays plain, the three
+    share one launch; the rotation's nodes are gone and q, k, v are the same bit for bit."""
     torch.manual_seed(0)
-    model = _HFBatchFirstAttentionInput().to(torch.bfloat16).eval()
-    angle = torch.rand(1, 1, 8) * 30
+    batch_first = layout == "batch_first"
+    model = (_HFBatchFirstAttentionInput() if batch_first else _HFStyleAttentionInput()).to(torch.bfloat16).eval()
+    lead = (1, 1) if batch_first else (1,)
+    angle = torch.rand(*lead, 8) * 30
     cos = torch.cat((angle.cos(), angle.cos()), -1).bfloat16()
     sin = torch.cat((angle.sin(), angle.sin()), -1).bfloat16()
-    x = torch.randn(1, 1, 32, dtype=torch.bfloat16)
+    x = torch.randn(*lead, 32, dtype=torch.bfloat16)
     gm, inputs = _dynamo_graph(model, x, cos, sin)
     want = model(x, cos, sin)
     assert one_token_gemv.rewrite(gm) == 3
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
-    assert [n.args[8:] for n in calls] == [(4 * 16, True), (2 * 16, True), ()]
+    _one_group(gm, 3, 2)  # q, k rotated, v plain: one launch
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.target is torch.cat]
     got = gm(*inputs)
@@ -667,9 +700,9 @@ def test_rewrite_fuses_transformers_batch_first_rope() -> None:
 
 def test_rewrite_fuses_every_layer_of_a_transformers_llama() -> None:
     """transformers' own Llama on vattn (``vattn.integrations.transformers``), one token:
-    every projection becomes a gemv; q, k and v take the input RMSNorm, q and k RoPE, o and
-    down the residual add, gate and up the post-attention norm, down the SwiGLU of gate and up;
-    no rotation or activation is left and one norm (the final one) is."""
+    every projection becomes a gemv; q, k and v share one launch with the input RMSNorm and q
+    and k RoPE, gate and up one with the post-attention norm; o and down take the residual add,
+    down the SwiGLU of gate and up; no rotation or activation is left and one norm (the final one) is."""
     pytest.importorskip("transformers")
     import vattn
     from examples.hf_model import random_model, tiny_config
@@ -682,16 +715,17 @@ def test_rewrite_fuses_every_layer_of_a_transformers_llama() -> None:
     with vattn.set_forward_context(None, cfg):
         gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
     assert one_token_gemv.rewrite(gm) == 7 * layers
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default]
-    norm = [n.args[4] is not None for n in calls]
-    residual = [n.args[3] is not None for n in calls]
-    rope = [len(n.args) > 6 for n in calls]
-    swiglu = [n.args[2] and n.kwargs.get("up") is calls[i - 1] and n.args[0] is calls[i - 2]
-              for i, n in enumerate(calls)]
-    assert norm == [True, True, True, False, True, True, False] * layers  # q k v o gate up down
-    assert residual == [False, False, False, True, False, False, True] * layers
-    assert rope == [True, True, False, False, False, False, False] * layers
-    assert swiglu == [False, False, False, False, False, False, True] * layers
+    ops = [n for n in gm.graph.nodes if n.target in (torch.ops.vattn_examples.gemv.default,
+                                                     torch.ops.vattn_examples.gemv_group.default)]
+    group = torch.ops.vattn_examples.gemv_group.default
+    assert [n.target is group for n in ops] == [True, False, True, False] * layers  # qkv, o, gate/up, down
+    for qkv, o, gate_up, down in zip(*[iter(ops)] * 4):
+        assert len(qkv.args[1]) == 3 and qkv.args[2] is not None and qkv.args[6] == 2  # input norm, q / k RoPE
+        assert o.args[3] is not None and len(o.args) == 6  # the residual add
+        assert len(gate_up.args[1]) == 2 and gate_up.args[2] is not None and gate_up.args[6] == 0  # post norm
+        gate, up = down.args[0], down.kwargs["up"]  # SwiGLU of the group's two outputs, and the residual
+        assert down.args[2] and down.args[3] is not None
+        assert (gate.args, up.args) == ((gate_up, 0), (gate_up, 1))
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.target in (operator.neg, torch.neg, F.silu)]  # rotate_half's, SwiGLU's
     assert len([n for n in gm.graph.nodes if n.target is torch.rsqrt]) == 1
@@ -748,3 +782,40 @@ def test_kernel_rope_llama_qkv_cuda(pdl: bool) -> None:
     fast = torch.ops.vattn_examples.gemv(x.view(1, 1, -1), w, False, res, nw, 1e-5)
     assert fast.shape == (1, 1, 3072)
     assert torch.equal(fast.view(1, -1), torch.ops.vattn_examples.gemv(x, w, False, res.view(1, -1), nw, 1e-5))
+
+
+def test_rewritten_transformers_llama_matches_eager_under_vattn_compile() -> None:
+    """transformers' Llama on vattn, ``vattn.compile``d with the rewrite on its 1-token pieces
+    (forced here on the CPU, where the op runs its torch path): a prefill and decode steps give
+    the eager model's hidden states, and the decode pieces hold the grouped projections."""
+    pytest.importorskip("transformers")
+    import vattn
+    from examples.hf_model import random_model, tiny_config
+    from vattn.integrations import transformers as vt
+
+    rewritten = []
+
+    def force_rewrite(gm: torch.fx.GraphModule, example_inputs: list, num_tokens: int | None) -> int:
+        n = one_token_gemv.rewrite(gm) if num_tokens == 1 else 0
+        rewritten.extend(str(node.target) for node in gm.graph.nodes if n and "gemv" in str(node.target))
+        return n
+
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16), compilation=vattn.CompilationConfig(
+        compile_sizes=[1], piece_passes=(force_rewrite,)))
+    model = vt.wrap(random_model(tiny_config("llama", num_hidden_layers=2), dtype=torch.bfloat16), cfg)
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=8, dtype=torch.bfloat16)
+    compiled = vattn.compile(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for ql, nc in (([5], [0]), ([1], [5]), ([1], [6])):
+            ids, pos = torch.randint(0, 100, (ql[0],), generator=g), torch.arange(nc[0], nc[0] + ql[0])
+            md = kv.build_metadata(kv.common_metadata(query_lens=ql, num_computed_tokens=nc, block_tables=[[0]]))
+            snapshot = {n: t.clone() for n, t in kv.tensors.items()}
+            with vattn.set_forward_context(md, cfg):
+                want = model(ids, pos)
+            for n, t in snapshot.items():
+                kv.tensors[n].copy_(t)
+            with vattn.set_forward_context(md, cfg):
+                got = compiled(ids, pos)
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    assert "vattn_examples.gemv_group.default" in rewritten

@@ -116,6 +116,19 @@ def test_store_kv_kernel(layout: str, kv_dtype: str) -> None:
     check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
 
 
+def test_store_kv_skips_slots_past_the_cache() -> None:
+    """A hand-built slot mapping past the cache (never checked on the host for device tensors)
+    writes nothing there and nothing anywhere else: the kernel bounds every slot."""
+    cache = torch.randn(2, 3, 4, 2, 16, device=DEV).bfloat16()  # 3 blocks of 4: slots 0..11
+    before = cache.clone()
+    key = torch.randn(3, 2, 16, device=DEV).bfloat16()
+    triton_store_kv(key, key, cache[0], cache[1], torch.tensor([12, 1 << 40, 5], device=DEV), "auto",
+                    torch.ones((), device=DEV), torch.ones((), device=DEV))
+    assert torch.equal(cache[:, 1, 1], key[2:].expand(2, 2, 16))  # slot 5: block 1, offset 1
+    cache[:, 1, 1] = before[:, 1, 1]
+    assert torch.equal(cache, before)
+
+
 def test_store_kv_saturates_and_rounds_like_torch() -> None:
     """Bit for bit, the sign of values that round to zero included (-0.0005 -> -0.0)."""
     x = torch.tensor([1e6, -1e6, 124.0, 125.0, 0.3, -7.77, 0.0, 2.0**-9,
@@ -516,8 +529,8 @@ compile_(_store_kv_kernel, {n: "*fp32" for n in _store_kv_kernel.arg_names if n.
                 slot_ptr="*i64"),
          dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_KV_HEADS=8, HEAD_SIZE=128,
               HEAD_PAD=128, BLOCK_H=8, PAGE_SIZE=16, FP8=True, FP8_MAX=57344.0, FP8_ROUND_FIX=0), 4, 1)
-gemv_ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", cos_ptr="*bf16",
-                 sin_ptr="*bf16", eps="fp32")
+gemv_ptrs = dict(x_ptr="*bf16", up_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16",
+                 cos_ptr="*bf16", sin_ptr="*bf16", eps="fp32")
 gemv = compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=True, RMS_NORM=False, RESIDUAL=True,
                                               ROPE_DIM=0, USE_PDL=True), 8, 1)
 gemv_norm = compile_(_gemv_kernel, gemv_ptrs, dict(BLOCK_N=4, BLOCK_K=2048, SILU_MUL=False, RMS_NORM=True,

@@ -35,7 +35,7 @@ a batch-1 step of the Llama-3.2-1B shape; replay 0.873 -> 0.861 ms on an H100).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -43,7 +43,7 @@ import triton.language as tl
 
 from vattn.kernels.launch import FastLaunch, next_power_of_2
 
-__all__ = ["default_tiles", "launch_gemv"]
+__all__ = ["default_tiles", "launch_gemv", "launch_gemv_group"]
 
 
 @triton.jit
@@ -65,21 +65,22 @@ def _transform(x, up, nw, rstd, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, up_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn, eps, rope_cols,
+def _gemv_rows(
+    pid, x_ptr, up_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn, eps, rope_cols,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr, ROPE_DIM: tl.constexpr, USE_PDL: tl.constexpr, UNSIGNED_SIN: tl.constexpr = False,
+    RESIDUAL: tl.constexpr, ROPE_DIM: tl.constexpr, USE_PDL: tl.constexpr, UNSIGNED_SIN: tl.constexpr,
 ):
-    """``ROPE_DIM`` (0: none): the program's rows are ``BLOCK_N // 2`` rotation pairs, rows
-    (head, j) for consecutive j < ROPE_DIM / 2 and their partners (head, j + ROPE_DIM / 2),
-    each half with its own weight tile and accumulator, so the epilogue rotates element-wise."""
+    """Program ``pid``'s rows of one GEMV. ``ROPE_DIM`` (0: none): the program's rows are
+    ``BLOCK_N // 2`` rotation pairs, rows (head, j) for consecutive j < ROPE_DIM / 2 and their
+    partners (head, j + ROPE_DIM / 2), each half with its own weight tile and accumulator, so
+    the epilogue rotates element-wise."""
     HALF: tl.constexpr = ROPE_DIM // 2
     ROWS: tl.constexpr = BLOCK_N // 2 if ROPE_DIM else BLOCK_N
     if ROPE_DIM:
-        pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        pair = pid * ROWS + tl.arange(0, ROWS)
         offs_n = (pair // HALF) * ROPE_DIM + pair % HALF
     else:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_p = offs_n + HALF  # the partner rows (ROPE_DIM only)
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
@@ -172,7 +173,46 @@ def _gemv_kernel(
         tl.store(out_ptr + offs_n, acc, mask=n_ok)
 
 
+@triton.jit
+def _gemv_kernel(
+    x_ptr, up_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn, eps, rope_cols,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, RMS_NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr, ROPE_DIM: tl.constexpr, USE_PDL: tl.constexpr, UNSIGNED_SIN: tl.constexpr = False,
+):
+    _gemv_rows(tl.program_id(0), x_ptr, up_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, N, K, stride_wn,
+               eps, rope_cols, BLOCK_N, BLOCK_K, SILU_MUL, RMS_NORM, RESIDUAL, ROPE_DIM, USE_PDL, UNSIGNED_SIN)
+
+
+@triton.jit
+def _gemv_group_kernel(
+    x_ptr, nw_ptr, cos_ptr, sin_ptr, w0_ptr, w1_ptr, w2_ptr, out0_ptr, out1_ptr, out2_ptr,
+    N0, N1, N2, P0, P1, K, stride_w0, stride_w1, stride_w2, eps,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RMS_NORM: tl.constexpr, NUM_SEGS: tl.constexpr,
+    ROPE_DIM: tl.constexpr, ROPE_SEGS: tl.constexpr, USE_PDL: tl.constexpr, UNSIGNED_SIN: tl.constexpr,
+):
+    """Two or three GEMVs of one input in one launch (separate q / k / v, or gate / up,
+    projections): programs [0, P0) compute weight 0, [P0, P0 + P1) weight 1, the rest weight 2.
+    The first ``ROPE_SEGS`` segments leave rotated (all their heads)."""
+    pid = tl.program_id(0)
+    R0: tl.constexpr = ROPE_DIM if ROPE_SEGS > 0 else 0
+    R1: tl.constexpr = ROPE_DIM if ROPE_SEGS > 1 else 0
+    R2: tl.constexpr = ROPE_DIM if ROPE_SEGS > 2 else 0
+    if pid < P0:
+        _gemv_rows(pid, x_ptr, x_ptr, w0_ptr, out0_ptr, out0_ptr, nw_ptr, cos_ptr, sin_ptr, N0, K, stride_w0, eps,
+                   N0, BLOCK_N, BLOCK_K, False, RMS_NORM, False, R0, USE_PDL, UNSIGNED_SIN)
+    elif NUM_SEGS == 2:
+        _gemv_rows(pid - P0, x_ptr, x_ptr, w1_ptr, out1_ptr, out1_ptr, nw_ptr, cos_ptr, sin_ptr, N1, K, stride_w1,
+                   eps, N1, BLOCK_N, BLOCK_K, False, RMS_NORM, False, R1, USE_PDL, UNSIGNED_SIN)
+    elif pid < P0 + P1:
+        _gemv_rows(pid - P0, x_ptr, x_ptr, w1_ptr, out1_ptr, out1_ptr, nw_ptr, cos_ptr, sin_ptr, N1, K, stride_w1,
+                   eps, N1, BLOCK_N, BLOCK_K, False, RMS_NORM, False, R1, USE_PDL, UNSIGNED_SIN)
+    else:
+        _gemv_rows(pid - P0 - P1, x_ptr, x_ptr, w2_ptr, out2_ptr, out2_ptr, nw_ptr, cos_ptr, sin_ptr, N2, K,
+                   stride_w2, eps, N2, BLOCK_N, BLOCK_K, False, RMS_NORM, False, R2, USE_PDL, UNSIGNED_SIN)
+
+
 _launch = FastLaunch(_gemv_kernel)
+_launch_group = FastLaunch(_gemv_group_kernel)
 
 
 def _h100_tiles(n: int, k: int) -> tuple[int, int, int]:
@@ -271,7 +311,8 @@ def launch_gemv(
     if up is not None and not silu_mul:
         raise ValueError("gemv: up is the SwiGLU up projection; pass it with silu_mul=True.")
     _launch[(triton.cdiv(n, block_n),)](
-        x, x[:, k:] if silu_mul and up is None else (up if up is not None else x), weight, out, residual if residual is not None else out,
+        x, up if up is not None else (x[:, k:] if silu_mul else x), weight, out,
+        residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight,
         rope_cos if rope_dim else weight, rope_sin if rope_dim else weight,
         n, k, weight.stride(0), float(eps), rope_cols,
@@ -304,3 +345,54 @@ def _check_rope(cos: torch.Tensor | None, sin: torch.Tensor | None, cols: int, n
     if residual is not None:
         raise ValueError("gemv: RoPE and residual are exclusive (rotate the projection or add to it, not both).")
     return d
+
+
+def launch_gemv_group(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_segs: int = 0,
+    rope_unsigned_sin: bool = False,
+    pdl: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """``outs[i] = x @ weights[i].T`` for one row ``x`` (1, K) and 2 or 3 weights (N_i, K), in one
+    launch: a model's separate q / k / v (or gate / up) projections cost one kernel, as a fused
+    projection does. ``norm_weight`` RMSNorms ``x`` as ``launch_gemv`` does; ``rope_cos`` /
+    ``rope_sin`` rotate every head of the first ``rope_segs`` outputs (q and k). ``outs[i]``: (1, N_i)
+    contiguous. Tiles: ``default_tiles`` of the summed N."""
+    if len(weights) not in (2, 3) or len(outs) != len(weights):
+        raise ValueError(f"gemv_group: 2 or 3 weights and as many outputs; got {len(weights)} and {len(outs)}.")
+    k = x.shape[-1]
+    if any(w.shape[1] != k or w.stride(1) != 1 for w in weights):
+        raise ValueError(f"gemv_group: every weight must be (N_i, {k}) with unit stride along K; got "
+                         f"{[tuple(w.shape) for w in weights]}.")
+    ns = [w.shape[0] for w in weights]
+    if block_n is None or block_k is None or num_warps is None:
+        tiles = default_tiles(sum(ns), k, x.device)
+        block_n, block_k, num_warps = block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2]
+    rope_dim = 0
+    if rope_segs:
+        if not 0 < rope_segs <= len(weights):
+            raise ValueError(f"gemv_group: rope_segs must be in [1, {len(weights)}]; got {rope_segs}.")
+        rope_dim = max(_check_rope(rope_cos, rope_sin, n, n, block_n, None) for n in ns[:rope_segs])
+    progs = [triton.cdiv(n, block_n) for n in ns]  # BLOCK_N rows a program (with RoPE: BLOCK_N / 2 pairs)
+    w = [*weights, weights[-1]][:3]
+    o = [*outs, outs[-1]][:3]
+    n3 = [*ns, ns[-1]][:3]
+    _launch_group[(sum(progs),)](
+        x, norm_weight if norm_weight is not None else w[0],
+        rope_cos if rope_dim else w[0], rope_sin if rope_dim else w[0],
+        w[0], w[1], w[2], o[0], o[1], o[2], n3[0], n3[1], n3[2], progs[0], progs[1], k,
+        w[0].stride(0), w[1].stride(0), w[2].stride(0), float(eps),
+        BLOCK_N=block_n, BLOCK_K=min(block_k, next_power_of_2(k)), RMS_NORM=norm_weight is not None,
+        NUM_SEGS=len(weights), ROPE_DIM=rope_dim, ROPE_SEGS=rope_segs if rope_dim else 0, USE_PDL=pdl,
+        UNSIGNED_SIN=bool(rope_unsigned_sin and rope_dim), num_warps=num_warps, launch_pdl=pdl,
+    )

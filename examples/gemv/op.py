@@ -13,7 +13,7 @@ from torch.library import Library, infer_schema
 
 from vattn.kernels.launch import pdl_supported
 
-__all__ = ["gemv"]
+__all__ = ["gemv", "gemv_group"]
 
 
 def gemv(
@@ -41,7 +41,7 @@ def gemv(
       then the add);
     * ``rope_cos`` / ``rope_sin`` (broadcastable to (T, rope_cols // D, D), D their last
       dim), ``rope_cols``: the first ``rope_cols`` outputs, viewed as heads of D, leave
-      rotated by neox-style RoPE (x 2-D, or one row with leading dims of 1), ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
+      rotated by neox-style RoPE, ``y * cos + y.roll(D // 2, -1) * sin`` (``sin`` signed as
       rotate-half needs it: its first half ``-sin``); the rest as projected. Not with ``residual``.
       ``rope_unsigned_sin``: ``sin`` is the plain table ``transformers``' ``rotate_half`` takes,
       ``y * cos + cat(-y2, y1) * sin`` (the same rotation).
@@ -99,6 +99,52 @@ def gemv(
     return out if residual is None else out + residual
 
 
+def gemv_group(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_segs: int = 0,
+    rope_unsigned_sin: bool = False,
+) -> list[torch.Tensor]:
+    """``[gemv(x, w, False, None, norm_weight, eps, ...) for w in weights]`` (2 or 3 weights of one
+    K): a model's separate q / k / v or gate / up projections of one input. The first
+    ``rope_segs`` outputs are rotated in full (``rope_cols`` = their width). One bf16/fp16 row on
+    CUDA runs all of them in one launch (``examples.gemv.kernel.launch_gemv_group``); anything
+    else runs ``gemv`` per weight."""
+    if len(weights) not in (2, 3) or not 0 <= rope_segs <= len(weights):
+        raise ValueError(f"vattn_examples::gemv_group: 2 or 3 weights and 0 <= rope_segs <= their count; got "
+                         f"{len(weights)} weights, rope_segs={rope_segs}.")
+    if rope_segs and (rope_cos is None or rope_sin is None):
+        raise ValueError("vattn_examples::gemv_group: rope_segs needs rope_cos and rope_sin.")
+    dt = x.dtype
+    if (x.is_cuda and x.dim() >= 2 and x.numel() == x.shape[-1] and dt in (torch.float16, torch.bfloat16)
+            and x.stride(-1) == 1 and all(w.dtype == dt and w.stride(1) == 1 and w.shape[1] == x.shape[-1]
+                                          for w in weights)
+            and (norm_weight is None or (norm_weight.shape == (x.shape[-1],) and norm_weight.dtype == dt
+                                         and norm_weight.stride(0) == 1))
+            and (not rope_segs or all(t.dtype == dt and t.numel() == t.shape[-1] and t.stride(-1) == 1
+                                      for t in (rope_cos, rope_sin)))):
+        from examples.gemv.kernel import launch_gemv_group
+
+        outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=dt, device=x.device) for w in weights]
+        launch_gemv_group(x.view(1, -1), weights, [o.view(1, -1) for o in outs], norm_weight=norm_weight, eps=eps,
+                          rope_cos=rope_cos, rope_sin=rope_sin, rope_segs=rope_segs,
+                          rope_unsigned_sin=rope_unsigned_sin, pdl=pdl_supported(x.device))
+        return outs
+    return [gemv(x, w, False, None, norm_weight, eps,
+                 *((rope_cos, rope_sin, w.shape[0], rope_unsigned_sin) if i < rope_segs else ()))
+            for i, w in enumerate(weights)]
+
+
+def _gemv_group_fake(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
+                     eps: float = 0.0, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
+                     rope_segs: int = 0, rope_unsigned_sin: bool = False) -> list[torch.Tensor]:
+    return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights]
+
+
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos: torch.Tensor | None = None,
                rope_sin: torch.Tensor | None = None, rope_cols: int = 0,
@@ -110,3 +156,6 @@ _lib = Library("vattn_examples", "FRAGMENT")
 _lib.define("gemv" + infer_schema(gemv, mutates_args=[]))
 _lib.impl("gemv", gemv, "CompositeExplicitAutograd")
 torch.library.register_fake("vattn_examples::gemv", _gemv_fake, lib=_lib)
+_lib.define("gemv_group" + infer_schema(gemv_group, mutates_args=[]))
+_lib.impl("gemv_group", gemv_group, "CompositeExplicitAutograd")
+torch.library.register_fake("vattn_examples::gemv_group", _gemv_group_fake, lib=_lib)

@@ -416,7 +416,68 @@ def rewrite(gm: fx.GraphModule) -> int:
                 gm.graph.erase_node(dead)
         count += 1
         fused += (h is not None or pair is not None) + (norm is not None) + (res is not None) + (rope is not None)
+    groups = _group_projections(gm) if count else 0
     if count:  # the SwiGLU and norm nodes left unused are dropped by Inductor's dead-code elimination
         gm.recompile()
-        logger.debug("OneTokenGemv: %d linear layers -> vattn_examples::gemv, %d input/output fusions", count, fused)
+        logger.debug("OneTokenGemv: %d linear layers -> vattn_examples::gemv, %d input/output fusions, %d groups",
+                     count, fused, groups)
     return count
+
+
+_GEMV = torch.ops.vattn_examples.gemv.default
+
+
+def _group_member(node: fx.Node) -> tuple[tuple[Any, ...], bool] | None:
+    """(group key, rotated) for a gemv that may share a launch with others of its input: no SwiGLU,
+    no residual, and RoPE (if any) on all of its heads."""
+    if node.op != "call_function" or node.target is not _GEMV or node.kwargs or len(node.args) not in (6, 10):
+        return None
+    x, w, silu, res, nw, eps = node.args[:6]
+    if silu or res is not None:
+        return None
+    if len(node.args) == 6:
+        return (x, nw, eps), False
+    cos, sin, cols, unsigned = node.args[6:]
+    w_val = _value(w)
+    if w_val is None or not statically_known_true(w_val.shape[0] == cols):
+        return None
+    return (x, nw, eps, cos, sin, unsigned), True
+
+
+def _group_projections(gm: fx.GraphModule) -> int:
+    """Fold the gemvs of one input (a model's separate q / k / v projections after one norm, or
+    gate / up) into one ``vattn_examples::gemv_group`` each: the rotated ones (q, k) first, then
+    the plain ones, 2 or 3 a launch. Returns how many groups were made."""
+    by_input: dict[tuple[Any, ...], list[tuple[fx.Node, bool, tuple[Any, ...]]]] = {}
+    for node in gm.graph.nodes:
+        member = _group_member(node)
+        if member is not None:
+            key, rotated = member
+            by_input.setdefault(key[:3], []).append((node, rotated, key))
+    made = 0
+    for members in by_input.values():
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # anew: earlier groups added nodes
+        rotated = [m for m in members if m[1]]
+        plain = [m for m in members if not m[1]]
+        if len({m[2] for m in rotated}) > 1:  # RoPE with different tables: leave them alone
+            continue
+        chosen = rotated + plain
+        if not 2 <= len(chosen) <= 3:
+            continue
+        first = min((m[0] for m in chosen), key=order.__getitem__)
+        x, nw, eps = chosen[0][2][:3]
+        rope = chosen[0][2][3:] if rotated else (None, None, False)
+        inputs = [x, nw, *rope[:2], *(m[0].args[1] for m in chosen)]
+        if any(isinstance(t, fx.Node) and order[t] > order[first] for t in inputs):
+            continue  # an input computed after the first member (the group takes its place)
+        with gm.graph.inserting_before(first):
+            group = gm.graph.call_function(torch.ops.vattn_examples.gemv_group.default, (
+                x, [m[0].args[1] for m in chosen], nw, eps, rope[0], rope[1], len(rotated), rope[2]))
+            outs = [gm.graph.call_function(operator.getitem, (group, i)) for i in range(len(chosen))]
+        group.meta["example_value"] = [m[0].meta.get("example_value") for m in chosen]
+        for (node, _, _), out in zip(chosen, outs):
+            out.meta.update(node.meta)
+            node.replace_all_uses_with(out)
+            gm.graph.erase_node(node)
+        made += 1
+    return made

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from vattn.backends.batch_checks import StepChecks
+from vattn.backends.batch_checks import StepChecks, unchecked_block_limit
 from vattn.backends.checks import check_common_metadata, configuration_reasons, feature_reasons
 from vattn.backends.decode_split import reorder_batch_to_split_decodes_and_prefills
 from vattn.backends.enums import AttentionCGSupport, AttentionType
@@ -329,6 +329,13 @@ class AttentionMetadataBuilder(abc.ABC, Generic[M]):
     @property
     def full_cudagraph_supported(self) -> bool:
         return self.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    cache_blocks_dim: ClassVar[int] = 1  # the bound KV-cache tensor's block dimension
+
+    def unchecked_block_limit(self, cm: CommonAttentionMetadata) -> int | None:
+        """``num_blocks`` of the bound cache when ``cm``'s block ids were never seen on the host,
+        else None: builders then clamp the table on the device (``batch_checks.unchecked_block_limit``)."""
+        return unchecked_block_limit(cm, self.vattn_config, self.layer_names, self.cache_blocks_dim)
 
     @abc.abstractmethod
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

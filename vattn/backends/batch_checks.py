@@ -215,3 +215,23 @@ class StepChecks:
             block_size=self.block_size, max_block=None if self.max_block is None else max(self.max_block, 0),
             host_batch=self.host_batch,
         )
+
+
+def unchecked_block_limit(cm: Any, vattn_config: Any, layer_names: list[str], blocks_dim: int) -> int | None:
+    """``num_blocks`` of the KV cache bound to ``layer_names[0]`` (its dimension ``blocks_dim``)
+    when ``cm``'s block ids were never seen on the host (hand-built metadata with a device block
+    table), else None.
+
+    Builders clamp such tables into ``[0, num_blocks)`` with one device op (no host sync): a bad
+    id then reads a wrong block instead of faulting the GPU; ``VATTN_DEBUG_CHECKS=1`` rejects it
+    instead. Tables from vattn's helpers, and host tables, are checked on the host and never clamped.
+    """
+    facts = cm.host_checks
+    if facts is not None and (facts.max_block is not None or facts.host_batch is not None) or not layer_names:
+        return None
+    layer = vattn_config.compilation.static_forward_context.get(layer_names[0])
+    caches = getattr(layer, "kv_cache", None)
+    cache = caches[0] if caches else None
+    if not isinstance(cache, torch.Tensor) or cache.dim() <= blocks_dim or not cache.numel():
+        return None
+    return int(cache.shape[blocks_dim])

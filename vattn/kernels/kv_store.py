@@ -22,7 +22,7 @@ _FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_slots,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
@@ -30,10 +30,12 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_ROUND_FIX: tl.constexpr,
 ):
-    """One program per (token, group of BLOCK_H heads): copies a (BLOCK_H, D) tile of K and V."""
+    """One program per (token, group of BLOCK_H heads): copies a (BLOCK_H, D) tile of K and V.
+    Slots outside ``[0, num_slots)`` are skipped: padding (< 0), or a hand-built slot mapping
+    past the cache, which must not fault the GPU (``VATTN_DEBUG_CHECKS=1`` rejects it)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     blk = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
@@ -114,7 +116,7 @@ def triton_store_kv(
     grid = (num_tokens, -(-num_kv_heads // block_h))
     _STORE_KV[grid](
         key, value, key_cache, value_cache, slot_mapping,
-        k_scale if fp8 else key, v_scale if fp8 else key,
+        k_scale if fp8 else key, v_scale if fp8 else key, key_cache.shape[0] * page_size,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_H=block_h, PAGE_SIZE=page_size,

@@ -81,6 +81,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: ClassVar[int | None] = 1
+    cache_blocks_dim: ClassVar[int] = 0  # (num_blocks, 2, block_size, Hk, D)
 
     def __init__(
         self, kv_cache_spec: AttentionSpec, layer_names: list[str], vattn_config: "VattnConfig", device: torch.device
@@ -172,7 +173,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         end = cm.num_reqs
         qsl = cm.query_start_loc_cpu
         indptr, last = paged_kv_layout(cm.seq_lens_cpu[start:end], self.page_size)
-        indices = gather_page_indices(cm.block_table_tensor[start:end], indptr)
+        indices = gather_page_indices(cm.block_table_tensor[start:end], indptr, num_blocks=self.unchecked_block_limit(cm))
         qo_indptr = (qsl[start : end + 1] - qsl[start]).to(torch.int32)
         if self._prefill_wrapper is None:
             self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace(self.device), self.kv_layout)
@@ -202,7 +203,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _plan_decode(self, cm: CommonAttentionMetadata, rows: int, md: FlashInferMetadata) -> None:
         indptr, last = paged_kv_layout(cm.seq_lens_cpu[:rows].clamp(min=1), self.page_size)
-        indices = gather_page_indices(cm.block_table_tensor, indptr)
+        indices = gather_page_indices(cm.block_table_tensor, indptr, num_blocks=self.unchecked_block_limit(cm))
         if self._decode_wrapper is None:
             self._decode_wrapper = self._new_decode_wrapper()
         fenced_plan(self._decode_wrapper, lambda: self._decode_wrapper.plan(
@@ -256,7 +257,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         g.slots[:bs].copy_(cm.slot_mapping, non_blocking=True)
         md.slot_mapping = g.slots[:bs]
         real = int(indptr[n])
-        gather_page_indices(cm.block_table_tensor, indptr[: n + 1], out=g.indices[:real])
+        gather_page_indices(cm.block_table_tensor, indptr[: n + 1], out=g.indices[:real],
+                            num_blocks=self.unchecked_block_limit(cm))
         if total > real:
             g.indices[real:total].zero_()
         wrapper = self._graph_wrappers.get(bs)

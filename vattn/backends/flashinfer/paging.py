@@ -64,13 +64,16 @@ def paged_kv_layout(seq_lens_cpu: torch.Tensor, page_size: int) -> tuple[torch.T
     return indptr, last
 
 
-def gather_page_indices(block_table: torch.Tensor, indptr_cpu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_page_indices(block_table: torch.Tensor, indptr_cpu: torch.Tensor, out: torch.Tensor | None = None,
+                        num_blocks: int | None = None) -> torch.Tensor:
     """``out[indptr[r]:indptr[r+1]] = block_table[r, :indptr[r+1] - indptr[r]]`` without a host sync.
 
     Args:
         block_table: (>= B, W) int32 on the device.
         indptr_cpu: (B+1,) int32 host tensor starting at 0.
         out: optional (indptr[-1],) int32 destination (e.g. a persistent CUDA-graph buffer).
+        num_blocks: clamp the ids into ``[0, num_blocks)`` (a table never checked on the host:
+            ``AttentionMetadataBuilder.unchecked_block_limit``), so FlashInfer never reads outside the cache.
     """
     num_reqs = indptr_cpu.numel() - 1
     total = int(indptr_cpu[-1])
@@ -85,4 +88,6 @@ def gather_page_indices(block_table: torch.Tensor, indptr_cpu: torch.Tensor, out
     req = torch.repeat_interleave(torch.arange(num_reqs, device=dev), pages, output_size=total)
     flat = req * bt.shape[1] + (torch.arange(total, device=dev) - starts[req])
     torch.index_select(bt.view(-1), 0, flat, out=out)
+    if num_blocks is not None:
+        out.clamp_(0, num_blocks - 1)
     return out

@@ -93,6 +93,9 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         key_valid = j[None, :] < seq_lens[:, None]
         block_size = self.kv_cache_spec.block_size
         bt = cm.block_table_tensor
+        limit = self.unchecked_block_limit(cm) if dev.type != "cpu" else None
+        if limit is not None:  # ids never seen on the host: keep reads inside the cache (no device assert)
+            bt = bt.clamp(0, limit - 1)
         n_blocks = -(-Lk // block_size)
         key_block = key_offset = None
         if bt.shape[1] >= n_blocks:
