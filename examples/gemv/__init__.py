@@ -5,15 +5,17 @@ and ramp-up cost about as much as streaming its weight. ``OneTokenGemv`` rewrite
 ``vattn.compile`` compiles for exactly one token (``CompilationConfig.compile_sizes`` holding 1)
 so that every bias-free ``F.linear`` runs ``torch.ops.vattn_examples.gemv``, with a decoder
 layer's RMSNorm, SwiGLU activation, residual add and RoPE fused into the projections around
-them (``rewrite.py`` lists the idioms it matches). Plug it in through the public hook::
+them, and separate projections of one input (q / k / v, gate / up) in one
+``vattn_examples::gemv_group`` launch (``rewrite.py`` lists the idioms it matches). Plug it in
+through the public hook::
 
     cfg = vattn.VattnConfig(compilation=vattn.CompilationConfig(
         compile_sizes=(1,), piece_passes=(OneTokenGemv(),)))
 
 | module | what |
 | --- | --- |
-| ``kernel`` | the Triton GEMV (``launch_gemv``), with programmatic dependent launch on sm_90+ |
-| ``op`` | ``vattn_examples::gemv``: the kernel for one bf16/fp16 row on CUDA, torch elsewhere |
+| ``kernel`` | the Triton GEMV (``launch_gemv``, ``launch_gemv_group``), with programmatic dependent launch on sm_90+ |
+| ``op`` | ``vattn_examples::gemv`` / ``gemv_group``: the kernel for one bf16/fp16 row on CUDA, torch elsewhere |
 | ``rewrite`` | the FX rewrite of a 1-token piece's linear layers into that op |
 """
 
