@@ -14,8 +14,7 @@ from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, Attent
 from vattn.backends.checks import check_layer_args, check_mods
 from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
-from vattn.forward_context import get_forward_context
-from vattn.ops.attention import check_call
+from vattn.ops.attention import run_layer
 from vattn.ops.kv_store import fp8_dtype_for
 from vattn.ops.library import eager_direct_ok
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8
@@ -333,24 +332,16 @@ class Attention(nn.Module, AttentionLayerBase):
         if self.use_output:
             output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
             output = output.view(-1, self.num_heads, self.head_size)
-            if direct:
-                self._direct_forward(query, key, value, output)
+            if direct:  # the op's implementation, without the dispatcher
+                run_layer(query, key, value, output, self.layer_name)
             else:
                 torch.ops.vattn.unified_attention_with_output(query, key, value, output, self.layer_name)
             return output.view(-1, output_shape[-1])
         if direct:
-            out = self._direct_forward(query, key, value, None)
+            out = run_layer(query, key, value, None, self.layer_name)
         else:
             out = torch.ops.vattn.unified_attention(query, key, value, self.layer_name)
         return out.reshape(-1, hidden_size)
-
-    def _direct_forward(self, query, key, value, output):  # type: ignore[no-untyped-def]
-        ctx = get_forward_context()
-        md = ctx.metadata_for(self.layer_name)
-        if md is None:
-            return output.zero_() if output is not None else torch.zeros_like(query)
-        check_call(self, query, key, value, self.kv_cache[ctx.virtual_engine], md, ctx.debug_checks)
-        return self.impl.forward(self, query, key, value, self.kv_cache[ctx.virtual_engine], md, output=output)
 
     # ---- fp8 scales and loading ---------------------------------------------------------
 

@@ -21,8 +21,7 @@ from vattn.backends.checks import check_layer_args, fail
 from vattn.backends.mla.common import MLAAttentionSpec
 from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
-from vattn.forward_context import get_forward_context
-from vattn.ops.attention import check_call
+from vattn.ops.mla import unified_mla_attention_with_output
 from vattn.ops.library import eager_direct_ok
 from vattn.platform import current_platform
 from vattn.selector import backend_name_to_enum, get_attn_backend
@@ -194,14 +193,8 @@ class MLAAttention(nn.Module, AttentionLayerBase):
         if k_pe.dim() == 3:
             k_pe = k_pe.squeeze(1)
         output = torch.empty(output_shape, dtype=q.dtype, device=q.device).view(-1, self.num_heads, self.v_head_dim)
-        if direct:
-            ctx = get_forward_context()
-            md = ctx.metadata_for(self.layer_name)
-            if md is None:
-                output.zero_()
-            else:
-                check_call(self, q, kv_c_normed, k_pe, self.kv_cache[ctx.virtual_engine], md, ctx.debug_checks)
-                self.impl.forward(self, q, kv_c_normed, k_pe, self.kv_cache[ctx.virtual_engine], md, output=output)
+        if direct:  # the op's implementation, without the dispatcher
+            unified_mla_attention_with_output(q, kv_c_normed, k_pe, output, self.layer_name)
         else:
             torch.ops.vattn.unified_mla_attention_with_output(q, kv_c_normed, k_pe, output, self.layer_name)
         return output.view(output_shape)

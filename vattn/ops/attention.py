@@ -20,14 +20,15 @@ from vattn.config import get_current_vattn_config
 from vattn.forward_context import get_forward_context, is_forward_context_available
 from vattn.ops.library import register_op
 
-__all__ = ["check_call", "check_traced", "maybe_calc_kv_scales", "unified_attention", "unified_attention_with_output"]
+__all__ = ["check_call", "check_traced", "maybe_calc_kv_scales", "run_layer", "unified_attention",
+           "unified_attention_with_output"]
 
 _NO_CACHE = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 
 # ---- attention ------------------------------------------------------------------------
 
 
-def _run_layer(
+def run_layer(
     query: torch.Tensor,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
@@ -138,7 +139,7 @@ def unified_attention_with_output(
     output_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of layer ``layer_name`` written into ``output`` (T, H, D); see ``vattn.Attention``."""
-    _run_layer(query, key, value, output, layer_name, output_scale)
+    run_layer(query, key, value, output, layer_name, output_scale)
 
 
 def check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str) -> None:
@@ -176,7 +177,7 @@ def unified_attention(
     query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
 ) -> torch.Tensor:
     """Attention of layer ``layer_name`` for backends without an output buffer; returns (T, H, D)."""
-    return _run_layer(query, key, value, None, layer_name).clone()
+    return run_layer(query, key, value, None, layer_name).clone()
 
 
 def _unified_attention_fake(
