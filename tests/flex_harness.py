@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import create_mask
 from attn_harness import RandomBatch
 from vattn.backends.flex_attention import FlexAttentionImpl, FlexAttentionMetadata, FlexAttentionMetadataBuilder
 from vattn.backends.flex_attention.metadata import Q_BLOCK
-from vattn.backends.flex_attention.paging import MaskSpec, physical_mask
+from vattn.backends.flex_attention.paging import MaskSpec, logical_mask, physical_mask
 from vattn.backends.utils import AttentionSpec, CommonAttentionMetadata
 from vattn.config import VattnConfig
 
@@ -26,14 +26,18 @@ __all__ = ["causal_allowed", "check_block_masks", "explicit_reference", "positio
 
 def run_impl(batch: RandomBatch, impl_cls: type[FlexAttentionImpl] = FlexAttentionImpl,
              builder_cls: type[FlexAttentionMetadataBuilder] = FlexAttentionMetadataBuilder, *,
-             common: CommonAttentionMetadata | None = None, compiled: bool = False,
+             common: CommonAttentionMetadata | None = None, compiled: bool = False, gather: bool | None = None,
              **impl_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, FlexAttentionImpl, FlexAttentionMetadata]:
-    """Build metadata for ``batch`` (or ``common``), run one forward: (output, cache before, impl, metadata)."""
+    """Build metadata for ``batch`` (or ``common``), run one forward: (output, cache before, impl, metadata).
+    ``gather``: every multi-token launch reads a gathered copy of its keys (True) or the cache
+    in place (False); None: the builder's default."""
     spec = batch.spec
     kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, batch.kv_cache.dtype,
                             spec.kv_cache_dtype)
     builder = builder_cls(kv_spec, ["fake.attn"], VattnConfig(), torch.device(spec.device))
     builder.num_cache_blocks = batch.kv_cache.shape[1]
+    if gather is not None:
+        builder.gather_prefill, builder.gather_min_queries = gather, 2
     md = builder.build(0, batch.common if common is None else common)
     impl = impl_cls(spec.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
                     kv_cache_dtype=spec.kv_cache_dtype, compiled=compiled, **impl_kwargs)
@@ -87,9 +91,12 @@ def check_block_masks(md: FlexAttentionMetadata, spec: MaskSpec) -> None:
     spec = spec.for_batch(md.causal)
     for call in md.calls:
         bm = md.block_mask(call, spec)
-        bs, n_slots = call.block_size, md.num_cache_blocks * call.block_size
-        dense = create_mask(physical_mask(call, spec), call.batch, spec.heads, call.query_len, n_slots,
-                            call.qlen.device).cpu()
+        if call.gathered:  # logical tiles over the launch's gathered keys
+            assert call.kv_slots is not None
+            bs, n_keys, mask = call.kv_block, call.kv_slots.shape[1], logical_mask(call, spec)
+        else:
+            bs, n_keys, mask = call.block_size, md.num_cache_blocks * call.block_size, physical_mask(call, spec)
+        dense = create_mask(mask, call.batch, spec.heads, call.query_len, n_keys, call.qlen.device).cpu()
         real = (torch.arange(call.query_len)[None, :] < call.qlen.cpu()[:, None])  # (Bq, Lq)
         num, idx = bm.kv_num_blocks.cpu(), bm.kv_indices.cpu()
         fnum, fidx = bm.full_kv_num_blocks.cpu(), bm.full_kv_indices.cpu()
@@ -97,7 +104,7 @@ def check_block_masks(md: FlexAttentionMetadata, spec: MaskSpec) -> None:
             for h in range(spec.heads):
                 for t in range(-(-call.query_len // Q_BLOCK)):
                     rows = slice(t * Q_BLOCK, (t + 1) * Q_BLOCK)
-                    tile = dense[b, h, rows].view(-1, md.num_cache_blocks, bs)  # (rows, blocks, bs)
+                    tile = dense[b, h, rows].view(-1, n_keys // bs, bs)  # (rows, blocks, bs)
                     partial = idx[b, h, t, : num[b, h, t]].tolist()
                     full = fidx[b, h, t, : fnum[b, h, t]].tolist()
                     assert len(set(partial + full)) == len(partial) + len(full), (b, h, t, partial, full)

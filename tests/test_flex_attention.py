@@ -11,6 +11,8 @@ masks themselves are checked structurally (``flex_harness.check_block_masks``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -32,11 +34,12 @@ def mixed(seed: int = 0, **kw: object) -> RandomBatch:
     return make_random_batch(BatchSpec(**{**MIXED, **GEOMETRY, **kw}), seed=seed)  # type: ignore[arg-type]
 
 
-def check(batch: RandomBatch, *, compiled: bool = False, factor: float = 1.0, **features: object) -> FlexAttentionImpl:
+def check(batch: RandomBatch, *, compiled: bool = False, factor: float = 1.0, gather: bool | None = None,
+          **features: object) -> FlexAttentionImpl:
     """Run with the layer ``features`` (harness names); compare with the harness reference and
     check the cache, the padding rows and the block masks."""
     impl_kwargs = dict(features)
-    out, before, impl, md = run_impl(batch, compiled=compiled, **impl_kwargs)
+    out, before, impl, md = run_impl(batch, compiled=compiled, gather=gather, **impl_kwargs)
     n = batch.num_actual_tokens
     assert_close(out[:n], batch.reference(scale=impl.scale, **features), batch.spec.dtype, factor=factor)
     assert torch.count_nonzero(out[n:]) == 0, "padded token rows of the output were written"
@@ -133,6 +136,84 @@ def test_fuzz_mixed_batches(spec: BatchSpec, seed: int) -> None:
     """Decodes then chunked prefills, odd lengths, GQA 1-8, both cache layouts (HND is read
     through a copy: FLEX_ATTENTION allocates NHD), padding tokens, spare blocks."""
     check(make_random_batch(spec, seed=seed), factor=2.0 if spec.dtype != torch.float32 else 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_gathered_launch_feature(name: str) -> None:
+    """Multi-token launches over a gathered copy of their keys (CUDA's prefill path): logical
+    tiles, logical mods."""
+    check(mixed(seed=13, num_pad_tokens=2), gather=True, **FEATURES[name])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=batch_specs(max_reqs=8, head_sizes=(16, 64), block_sizes=(1, 4, 16)), seed=st.integers(0, 2**16))
+def test_fuzz_gathered_launches(spec: BatchSpec, seed: int) -> None:
+    check(make_random_batch(spec, seed=seed), gather=True, factor=2.0 if spec.dtype != torch.float32 else 1.0)
+
+
+@pytest.mark.parametrize("context", [0, 5], ids=["fresh", "context"])
+def test_dense_launch_reads_views(context: int) -> None:
+    """Requests of one power-of-two query length filling the padded batch: the queries and the output are
+    views of the step's tokens; without context (``fresh``) the masks read no per-row facts."""
+    batch = make_random_batch(BatchSpec(context_lens=(context,) * 4, query_lens=(32,) * 4, **GEOMETRY), seed=14)
+    for gather in (False, True):
+        for features in ({}, dict(sliding_window=7, logits_soft_cap=3.0)):
+            out, _, impl, md = run_impl(batch, gather=gather, **features)
+            (call,) = md.calls
+            assert call.dense and call.fresh == (context == 0) and call.gathered == gather
+            ref = batch.reference(scale=impl.scale, **features)
+            assert_close(out[: batch.num_actual_tokens], ref, torch.float32)
+            check_block_masks(md, impl.mask_spec)
+
+
+def test_gathered_slots_stay_in_the_cache() -> None:
+    """A table entry past the cache (hand-built device metadata the host never checked) is
+    clamped into it: the gather reads a wrong row, never out of bounds."""
+    batch = mixed(seed=15)
+    table = batch.common.block_table_tensor.clone()
+    table[3, 0] = 10_000
+    common = dataclasses.replace(batch.common, block_table_tensor=table)
+    _, _, _, md = run_impl(batch, common=common, gather=True)
+    slots = md.calls[-1].kv_slots
+    assert slots is not None and int(slots.min()) >= 0 and int(slots.max()) < md.num_cache_blocks * batch.spec.block_size
+
+
+def test_flash_backend_falls_back_to_triton_when_it_cannot_compile(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A launch whose ``BACKEND="FLASH"`` kernel does not compile (Inductor raises; here a
+    stand-in for it, as the CPU ignores the option) logs one warning and runs the other
+    kernel, then stays on it for that shape key."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from vattn.backends.flex_attention import compiled
+
+    made = compiled._new_callable
+
+    def new_callable(tag: int, backend: str) -> object:
+        fn = made(tag, backend)
+
+        def call(*args: object) -> object:
+            if (args[6] or {}).get("BACKEND") == "FLASH":
+                raise RuntimeError("InductorError: the FLASH backend cannot lower this mask_mod")
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(compiled, "_new_callable", new_callable)
+    g = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(1, h, 32, 16, generator=g) for h in (4, 2, 2))
+    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    outs = []
+    with caplog.at_level("WARNING", logger="vattn.backends.flex_attention"):
+        for _ in range(2):
+            outs.append(compiled.run_flex(q, k, v, score_mod=None, block_mask=mask, scale=0.25,
+                                          kernel_options={"BACKEND": "FLASH"}, return_lse=False, compiled=True,
+                                          mods_key=("fallback-test",))[0])
+    assert sum("FLASH backend cannot compile" in r.getMessage() for r in caplog.records) == 1
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=0.25)
+    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[0])
 
 
 def test_shared_prefix_block_and_untouched_padding_requests() -> None:
@@ -390,14 +471,15 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
 # ---- compiled ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
 @pytest.mark.parametrize("mask", ["causal", "prefix_lm"])
-def test_compiled_matches_the_reference(mask: str) -> None:
+def test_compiled_matches_the_reference(mask: str, gather: bool) -> None:
     """Inductor's kernels read only the listed blocks; two batches of one shape share one compile."""
     for seed in (30, 31):
         batch = mixed(seed=seed)
         prompt = prompt_lens_of(batch)
         kwargs = {} if mask == "causal" else {"mask_mod": mods.prefix_lm(prompt)}
-        out, _, impl, _ = run_impl(batch, compiled=True, **kwargs)
+        out, _, impl, _ = run_impl(batch, compiled=True, gather=gather, **kwargs)
         allowed = [(k <= q) | (k < (prompt[r] if mask != "causal" else 0)) for r, (q, k) in
                    enumerate(positions(batch, r) for r in range(batch.spec.num_reqs))]
         assert_close(out[: batch.num_actual_tokens], explicit_reference(batch, impl.scale, allowed), torch.float32)
@@ -425,6 +507,23 @@ def test_cuda_fuzz_compiled(spec: BatchSpec, seed: int) -> None:
 def test_cuda_feature_compiled(name: str) -> None:
     feats = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in FEATURES[name].items()}
     check(mixed(seed=33, dtype=torch.bfloat16, device="cuda"), compiled=True, factor=2.0, **feats)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(FEATURES))
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "context"])
+def test_cuda_gathered_prefill_features_compiled(name: str, fresh: bool) -> None:
+    """Prefills of at least one query tile read gathered keys (FlashAttention's kernel where
+    flash-attn-4 is installed, else Triton's): every layer feature, whole prompts of one length
+    (dense, fresh) and ragged prompts over cached context."""
+    feats = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in FEATURES[name].items()}
+    lens = dict(context_lens=(0, 0), query_lens=(128, 128)) if fresh else dict(context_lens=(0, 40, 7),
+                                                                                query_lens=(1, 150, 131))
+    batch = make_random_batch(BatchSpec(**lens, dtype=torch.bfloat16, device="cuda", **GEOMETRY), seed=36)
+    out, _, impl, md = run_impl(batch, compiled=True, **feats)
+    assert md.calls[-1].gathered and md.calls[-1].fresh == fresh
+    assert_close(out[: batch.num_actual_tokens], batch.reference(scale=impl.scale, **feats), torch.bfloat16,
+                 factor=2.0)
 
 
 @pytest.mark.cuda

@@ -118,6 +118,44 @@ def test_triton_mla_split_counts_agree() -> None:
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_triton_mla_decode_tiles_agree(block_size: int) -> None:
+    """Every tile shape (16 to 64 heads a program, key tiles inside one page or across pages)
+    gives the reference's result."""
+    tiles_mod = sys.modules["vattn.backends.mla.triton_mla.config"]
+    spec = MLASpec(context_lens=(3, 70, 0, 33), query_lens=(1, 1, 1, 1), num_heads=20, block_size=block_size,
+                   device=DEV)
+    batch = make_mla_batch(spec, seed=6)
+    d = _builder(spec).build(0, batch.common).decode
+    assert d is not None
+    launch = OPS["vattn.backends.mla.triton_mla.launch"]
+    g = torch.Generator(device="cpu").manual_seed(6)
+    q_nope = torch.randn(4, spec.num_heads, spec.kv_lora_rank, generator=g).to(DEV)
+    q_pe = torch.randn(4, spec.num_heads, spec.qk_rope_head_dim, generator=g).to(DEV)
+    lat = [batch.kv_cache[torch.tensor(t, device=DEV)].reshape(-1, batch.kv_cache.shape[-1])[:n].float()
+           for t, n in zip(batch.block_tables, (4, 71, 1, 34))]
+    q = torch.cat([q_nope, q_pe], -1).float()
+    want = torch.stack([((q[i] @ x.T) * 0.3).softmax(-1) @ x[:, : spec.kv_lora_rank] for i, x in enumerate(lat)])
+    for bh, bn, splits in ((16, 16, 1), (32, 32, 2), (64, 16, 4)):
+        out = torch.empty_like(q_nope)
+        launch.mla_decode(q_nope, q_pe, batch.kv_cache, out, query_start_loc=d.query_start_loc, seq_lens=d.seq_lens,
+                          block_table=d.block_table, softmax_scale=0.3, kv_lora_rank=spec.kv_lora_rank,
+                          num_splits=splits, tiles=tiles_mod.DecodeTiles(bh, bn, 4, 2))
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4, msg=f"block_h={bh} block_n={bn}")
+
+
+def test_triton_mla_tiles_follow_the_device() -> None:
+    """Large tiles only where shared memory holds them; the split count counts their programs."""
+    cfg = sys.modules["vattn.backends.mla.triton_mla.config"]
+    hopper = 227 << 10
+    assert cfg.decode_tiles(128, 512, hopper).block_h == 64
+    assert cfg.decode_tiles(16, 512, hopper).block_h == 16
+    assert cfg.decode_tiles(128, 512, 163 << 10) == cfg.DecodeTiles(16, 32, 8, 2)  # Ampere
+    assert cfg.decode_num_splits(64, 128, 512, 132, block_h=64) == 2  # 128 programs: about one per SM
+    assert cfg.decode_num_splits(64, 128, 512, 132, block_h=16) == 1
+    assert cfg.decode_num_splits(1, 16, 512, 132) == cfg.MAX_SPLITS
+
+
 def test_store_latent_kernel_bit_exact() -> None:
     store = OPS["vattn.kernels.mla_store"].triton_store_latent
     for dtype in (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2):

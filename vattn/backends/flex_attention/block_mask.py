@@ -8,8 +8,9 @@ For row ``b`` and query tile ``r`` (``q_block`` queries), each of the request's 
 masks with a window are classified from position ranges; any other mask (a user mask_mod,
 TREE_ATTN) by evaluating it densely on the logical positions (``create_mask``, in chunks of
 tiles). The lists of partial and full blocks are then compacted and mapped through the block
-table to physical ids: ``kv_indices (Bq, Hm, R, width)`` with ``Hm`` 1 (or the query heads for a
-per-head mask) and ``R = ceil(Lq / q_block)``.
+table to physical ids (a gathered launch keeps logical ids; its tiles are ``GATHER_BLOCK``
+keys): ``kv_indices (Bq, Hm, R, width)`` with ``Hm`` 1 (or the query heads for a per-head
+mask) and ``R = ceil(Lq / q_block)``.
 
 | argument | meaning |
 | --- | --- |
@@ -34,7 +35,7 @@ DENSE_CHUNK = 1 << 25
 def _analytic(call: FlexCall, spec: MaskSpec, q_block: int, num_tiles: int, num_blocks: int) -> tuple[Tensor, Tensor]:
     """(visible, full), each (Bq, 1, R, M), of the causal / full base masks with a window,
     from the tiles' query positions and the blocks' key positions."""
-    dev, bs = call.qlen.device, call.block_size
+    dev, bs = call.qlen.device, call.kv_block
     qlen, ctx, seq = call.qlen[:, None], call.ctx[:, None], call.seq[:, None]
     r = torch.arange(num_tiles, device=dev)[None, :]
     i_lo = r * q_block
@@ -59,7 +60,7 @@ def _analytic(call: FlexCall, spec: MaskSpec, q_block: int, num_tiles: int, num_
 def _dense(call: FlexCall, spec: MaskSpec, q_block: int, num_tiles: int, num_blocks: int) -> tuple[Tensor, Tensor]:
     """(visible, full), each (Bq, Hm, R, M), by evaluating the logical mask on every position.
     Query rows past a request's length count as neither (they are padding)."""
-    bq, bs, dev, lq = call.batch, call.block_size, call.qlen.device, call.query_len
+    bq, bs, dev, lq = call.batch, call.kv_block, call.qlen.device, call.query_len
     hm = spec.heads
     mask = logical_mask(call, spec)
     keys = num_blocks * bs
@@ -85,7 +86,7 @@ def classify_blocks(call: FlexCall, spec: MaskSpec, q_block: int) -> tuple[Tenso
     """(partial, full) bool, each (Bq, Hm, R, M) with ``M = ceil(max seq / block_size)`` over
     the launch: the logical blocks each tile reads with and without the mask_mod."""
     num_tiles = -(-call.query_len // q_block)
-    num_blocks = min(call.block_table.shape[1], max(1, -(-call.max_seq // call.block_size)))
+    num_blocks = _num_kv_tiles(call)
     if spec.mask_mod is None and (spec.base in (CAUSAL, FULL) or call.tree is None):
         if spec.base == TREE:  # a launch without draft trees (decodes): causal
             spec = MaskSpec(CAUSAL, None, spec.window, spec.heads)
@@ -93,6 +94,13 @@ def classify_blocks(call: FlexCall, spec: MaskSpec, q_block: int) -> tuple[Tenso
     else:
         visible, full = _dense(call, spec, q_block, num_tiles, num_blocks)
     return visible & ~full, full
+
+
+def _num_kv_tiles(call: FlexCall) -> int:
+    """Key tiles of the launch's longest row: cache blocks, or a gathered launch's tiles."""
+    if call.kv_slots is not None:
+        return max(1, -(-call.max_seq // call.kv_block))
+    return min(call.block_table.shape[1], max(1, -(-call.max_seq // call.block_size)))
 
 
 def _compact(selected: Tensor, table: Tensor, width: int, out: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
@@ -115,13 +123,22 @@ def _compact(selected: Tensor, table: Tensor, width: int, out: tuple[Tensor, Ten
 
 def build_block_mask(call: FlexCall, spec: MaskSpec, *, q_block: int, num_cache_blocks: int, width: int,
                      out: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> BlockMask:
-    """The launch's physical ``BlockMask`` for ``spec`` (its mask_mod is ``physical_mask``)."""
+    """The launch's ``BlockMask`` for ``spec``: physical (its mask_mod is ``physical_mask``), or
+    over a gathered launch's logical tiles (``logical_mask``; ``num_cache_blocks`` and ``width``
+    are then its own)."""
     partial, full = classify_blocks(call, spec, q_block)
-    table = call.block_table
+    if call.kv_slots is not None:
+        keys = call.kv_slots.shape[1]
+        width = keys // call.kv_block
+        table = torch.arange(width, dtype=torch.int32, device=call.qlen.device).expand(call.batch, width)
+        mask_mod = logical_mask(call, spec)
+    else:
+        keys = num_cache_blocks * call.block_size
+        table = call.block_table
+        mask_mod = physical_mask(call, spec)
     kv = _compact(partial, table, width, None if out is None else out[:2])
     full_kv = _compact(full, table, width, None if out is None else out[2:])
     return BlockMask.from_kv_blocks(
-        kv[0], kv[1], full_kv[0], full_kv[1], BLOCK_SIZE=(q_block, call.block_size),
-        mask_mod=physical_mask(call, spec), seq_lengths=(call.query_len, num_cache_blocks * call.block_size),
-        compute_q_blocks=False,
+        kv[0], kv[1], full_kv[0], full_kv[1], BLOCK_SIZE=(q_block, call.kv_block), mask_mod=mask_mod,
+        seq_lengths=(call.query_len, keys), compute_q_blocks=False,
     )

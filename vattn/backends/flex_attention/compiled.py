@@ -17,6 +17,9 @@ CPU, which Inductor's CPU template does not return.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
 import types
 from typing import Any, Callable
 
@@ -24,9 +27,11 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-__all__ = ["bucket", "compiled_flex_count", "default_kernel_options", "run_flex", "with_decode_fallback"]
+__all__ = ["bucket", "compiled_flex_count", "default_kernel_options", "flash_available", "run_flex",
+           "with_decode_fallback"]
 
-_COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[Any, ...], tuple[Callable[..., Any], dict[str, Any] | None]] = {}
+logger = logging.getLogger("vattn.backends.flex_attention")
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -40,13 +45,48 @@ def compiled_flex_count() -> int:
     return len(_COMPILED)
 
 
-def default_kernel_options(device: torch.device, block_size: int) -> dict[str, Any]:
-    """Kernel options vattn passes unless the layer overrides them: on CUDA a key tile
-    (``BLOCK_N``) that divides the cache block (the sparse key block is one cache block, and
-    Inductor's default tiles go up to 128 keys). Blocks of a multiple of 128 keep the default."""
-    if device.type != "cuda" or block_size % 128 == 0:
+#: Inductor Triton tiles of a gathered launch (its defaults for 128-key blocks can ask for more
+#: shared memory than a GPU has once a mask_mod reads tensors).
+GATHERED_TRITON: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def default_kernel_options(device: torch.device, kv_block: int, *, gathered: bool = False,
+                           dtype: torch.dtype | None = None, lse: bool = False) -> dict[str, Any]:
+    """Kernel options vattn passes unless the layer overrides them.
+
+    On CUDA, a key tile (``BLOCK_N``) that divides the key block of the block mask (a cache
+    block; Inductor's default tiles go up to 128 keys); blocks of a multiple of 128 keep the
+    default. A gathered launch (``FlexCall.kv_slots``) asks for FlashAttention's kernel
+    (``BACKEND="FLASH"``) where ``flash_available`` says it may serve and the launch needs no
+    log-sum-exp (``lse``: sinks; FLASH's does not match the reference), else ``GATHERED_TRITON``;
+    ``run_flex`` falls back to the latter if FLASH cannot compile the launch's mods."""
+    if device.type != "cuda":
         return {}
-    return {"BLOCK_N": min(64, block_size & -block_size)}  # the largest power of two dividing it, at most 64
+    if gathered:
+        flash = not lse and dtype is not None and flash_available(device, dtype)
+        return {"BACKEND": "FLASH"} if flash else dict(GATHERED_TRITON)
+    if kv_block % 128 == 0:
+        return {}
+    return {"BLOCK_N": min(64, kv_block & -kv_block)}  # the largest power of two dividing it, at most 64
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_importable() -> bool:
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # flash_attn absent, or a broken install
+        return False
+
+
+def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """FlexAttention's FlashAttention backend (flash-attn-4's CuTe kernels) may serve queries of
+    ``dtype`` on ``device``: flash-attn-4 is installed, the GPU is Hopper or Blackwell, the dtype
+    16-bit."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return False
+    return _flash_importable()
 
 
 def with_decode_fallback(kernel_options: dict[str, Any] | None, q_len: int, group: int,
@@ -109,7 +149,22 @@ def run_flex(query: Tensor, key: Tensor, value: Tensor, *, score_mod: Any, block
                                               block_mask.BLOCK_SIZE[0])
     options = tuple(sorted((kernel_options or {}).items())) if inductor else ()
     cache_key = (_shape_key(query, key, block_mask), mods_key, options, return_lse, backend)
-    fn = _COMPILED.get(cache_key)
-    if fn is None:
-        fn = _COMPILED[cache_key] = _new_callable(len(_COMPILED), backend)
-    return fn(query, key, value, score_mod, block_mask, scale, kernel_options if inductor else None, return_lse)
+    entry = _COMPILED.get(cache_key)
+    if entry is not None:
+        fn, opts = entry
+        return fn(query, key, value, score_mod, block_mask, scale, opts, return_lse)
+    fn, opts = _new_callable(len(_COMPILED), backend), kernel_options if inductor else None
+    args = (query, key, value, score_mod, block_mask, scale)
+    if opts is not None and opts.get("BACKEND") == "FLASH":
+        try:
+            result = fn(*args, opts, return_lse)
+        except Exception as e:  # noqa: BLE001  (Inductor raises several kinds for an unservable kernel)
+            logger.warning("FlexAttention's FLASH backend cannot compile this launch (%s: %s); using its Triton "
+                           "kernel instead.", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            opts = {**GATHERED_TRITON, **{k: v for k, v in opts.items() if k != "BACKEND"}}
+            fn = _new_callable(len(_COMPILED) + 1, backend)
+        else:
+            _COMPILED[cache_key] = (fn, opts)
+            return result
+    _COMPILED[cache_key] = (fn, opts)
+    return fn(*args, opts, return_lse)

@@ -17,7 +17,7 @@ from vattn.backends.abstract import AttentionImpl, AttentionType
 from vattn.backends.flex_attention.compiled import default_kernel_options, run_flex
 from vattn.backends.flex_attention.metadata import FlexAttentionMetadata
 from vattn.backends.flex_attention.mods import MaskMod, ScoreMod, alibi, soft_cap
-from vattn.backends.flex_attention.paging import CAUSAL, FULL, FlexCall, MaskSpec, physical_score
+from vattn.backends.flex_attention.paging import CAUSAL, FULL, FlexCall, MaskSpec, logical_score, physical_score
 from vattn.ops.kv_store import store_kv
 
 if TYPE_CHECKING:
@@ -126,12 +126,22 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             store_kv(key, value, key_cache, value_cache, md.slot_mapping, self.kv_cache_dtype,
                      layer._k_scale, layer._v_scale)
-        k, v = _as_sequence(key_cache, md.num_cache_blocks), _as_sequence(value_cache, md.num_cache_blocks)
+        nb = md.num_cache_blocks
+        k, v = _as_sequence(key_cache, nb), _as_sequence(value_cache, nb)
         score_mods, sinks = self._score_mods(query.device)
-        options = {**default_kernel_options(query.device, md.block_size), **(self.kernel_options or {})}
         query = query.to(k.dtype)  # a float32 cache under a 16-bit model: attend in float32
         for call in md.calls:
-            self._launch(query, k, v, md, call, score_mods, sinks, options or None, output)
+            options = {**default_kernel_options(query.device, call.kv_block, gathered=call.gathered,
+                                                dtype=query.dtype, lse=sinks is not None),
+                       **(self.kernel_options or {})}
+            if call.gathered:  # (Bq, Hk, Skv, D): the launch's keys in logical order
+                assert call.kv_slots is not None
+                hk = key_cache.shape[2]
+                kc = key_cache[:nb].reshape(-1, hk, self.head_size)[call.kv_slots].transpose(1, 2)
+                vc = value_cache[:nb].reshape(-1, hk, self.head_size)[call.kv_slots].transpose(1, 2)
+                self._launch(query, kc, vc, md, call, score_mods, sinks, options or None, output)
+            else:
+                self._launch(query, k, v, md, call, score_mods, sinks, options or None, output)
         return output
 
     def _launch(self, query: Tensor, k: Tensor, v: Tensor, md: FlexAttentionMetadata, call: FlexCall,
@@ -140,25 +150,30 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         """One FlexAttention launch: gather its queries, attend, write its tokens' rows."""
         rows, lq = call.batch, call.query_len
         h, d = self.num_heads, self.head_size
+        n, first = call.num_tokens, call.first_token
         if call.query_index is None:  # a decode launch: row b is token first_token + b
-            q = query[call.first_token : call.first_token + call.num_reqs]
+            q = query[first : first + call.num_reqs]
             if rows > q.shape[0]:
                 q = torch.cat([q, q.new_zeros((rows - q.shape[0], h, d))])
             q = q.contiguous().unsqueeze(1)  # (Bq, 1, H, D)
+        elif call.dense:  # the tokens are the (Bq, Lq) grid: a view
+            q = query[first : first + n].view(rows, lq, h, d)
         else:
             q = query[call.query_index]  # (Bq, Lq, H, D)
         block_mask = md.block_mask(call, self.mask_spec)
         mods_key = (self.mask_spec.for_batch(md.causal), self._score_key, call.shape_key())
-        out, lse = run_flex(q.transpose(1, 2), k, v, score_mod=physical_score(call, score_mods),
-                            block_mask=block_mask, scale=self.scale, kernel_options=options,
-                            return_lse=sinks is not None, compiled=self.compiled, mods_key=mods_key)
+        score_mod = logical_score(call, score_mods) if call.gathered else physical_score(call, score_mods)
+        out, lse = run_flex(q.transpose(1, 2), k, v, score_mod=score_mod, block_mask=block_mask, scale=self.scale,
+                            kernel_options=options, return_lse=sinks is not None, compiled=self.compiled,
+                            mods_key=mods_key)
         if sinks is not None:  # an extra key of logit `sink` and value 0 in every row's softmax
             assert lse is not None
             out = out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
         out = out.transpose(1, 2)  # (Bq, Lq, H, D)
-        n, first = call.num_tokens, call.first_token
         if call.output_index is None:
             output[first : first + n] = out[:n, 0]
+        elif call.dense:
+            output[first : first + n] = out.reshape(n, h, d)
         else:
             output[first : first + n] = out.reshape(rows * lq, h, d)[call.output_index]
 

@@ -2,7 +2,8 @@
 
 The builder splits the step into launches (``FlexCall``): the leading one-token requests
 (decodes) as a ``(Bq, H, 1, D)`` batch that needs no gather, then the other requests as a padded
-``(Bq, H, Lq, D)`` batch. ``Bq`` and ``Lq`` are powers of two (``compiled.bucket``), the block
+``(Bq, H, Lq, D)`` batch (on CUDA, with at least ``Q_BLOCK`` queries, over a gathered copy of
+their keys: ``FlexCall.kv_slots``). ``Bq`` and ``Lq`` are powers of two (``compiled.bucket``), the block
 table is padded to a width that only grows: few distinct shapes, so few compiles. It then
 builds the block masks of every ``MaskSpec`` its layers use, once for all of them.
 
@@ -29,7 +30,7 @@ from vattn.backends.abstract import (
 )
 from vattn.backends.flex_attention.block_mask import build_block_mask
 from vattn.backends.flex_attention.compiled import bucket
-from vattn.backends.flex_attention.paging import FlexCall, MaskSpec
+from vattn.backends.flex_attention.paging import GATHER_BLOCK, FlexCall, MaskSpec
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -103,6 +104,11 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         comp = vattn_config.compilation
         self.max_graph_reqs = bucket(max([comp.max_capture_size, *comp.capture_sizes()]))
         self.use_persistent_buffers = self.device.type == "cuda"
+        #: Launches of at least ``gather_min_queries`` queries (padded) read a gathered copy of
+        #: their keys (``FlexCall.kv_slots``); on CUDA, where FlashAttention's kernel can then
+        #: serve them. Shorter launches (decodes, draft trees) read the cache in place.
+        self.gather_prefill = self.device.type == "cuda"
+        self.gather_min_queries = Q_BLOCK
         self._buffers: dict[Any, Tensor] = {}
         self._specs: list[MaskSpec] | None = None
         self._captured = False
@@ -188,7 +194,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         if nd < b and min(int(qsl_cpu[b]), t) > int(qsl_cpu[nd]):  # the rest, unless it is all padding
             launches.append((nd, b))
         calls = [self._call(cm, first, last, qsl, qsl_cpu, qlen, seq, seq_cpu, table, block_pos,
-                            decode=first < nd, persistent=persistent) for first, last in launches]
+                            decode=first < nd, persistent=persistent, num_cache_blocks=num_cache_blocks)
+                 for first, last in launches]
         md = FlexAttentionMetadata(
             num_actual_tokens=t, num_reqs=b, slot_mapping=slots, causal=cm.causal, block_size=bs,
             num_cache_blocks=num_cache_blocks, kv_width=kv_width, calls=calls)
@@ -210,13 +217,14 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             pos = self._buffer("block_pos", (num_cache_blocks + 1,), torch.int32, fill=-1)
         else:
             pos = torch.full((num_cache_blocks + 1,), -1, dtype=torch.int32, device=table.device)
-        target = torch.where(used, table.long(), num_cache_blocks)
+        ok = used & (table >= 0) & (table < num_cache_blocks)  # ids past the cache (unchecked device tables): unused
+        target = torch.where(ok, table.long(), num_cache_blocks)
         pos.scatter_(0, target.flatten(), cols.to(torch.int32).expand_as(target).flatten())
         return pos[:num_cache_blocks]
 
     def _call(self, cm: CommonAttentionMetadata, first: int, last: int, qsl: Tensor, qsl_cpu: Tensor, qlen: Tensor,
               seq: Tensor, seq_cpu: Tensor, table: Tensor, block_pos: Tensor, *, decode: bool,
-              persistent: bool) -> FlexCall:
+              persistent: bool, num_cache_blocks: int) -> FlexCall:
         """The launch of requests [first, last)."""
         n, t = last - first, cm.num_actual_tokens
         rows = bucket(n)
@@ -224,7 +232,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         num_tokens = min(int(qsl_cpu[last]), t) - first_token
         lq = 1 if decode else bucket(int((qsl_cpu[first + 1 : last + 1] - qsl_cpu[first:last]).max()))
         dev = qsl.device
-        req = torch.arange(first, first + rows, device=dev).clamp(max=cm.num_reqs - 1)
+        # int32, as FlexAttention's own indices (FlashAttention's kernels store indices as Int32).
+        req = torch.arange(first, first + rows, device=dev, dtype=torch.int32).clamp(max=cm.num_reqs - 1)
         facts = {"qlen": qlen[first:last], "ctx": (seq - qlen)[first:last], "seq": seq[first:last],
                  "block_table": table[first:last]}
         if persistent:
@@ -232,7 +241,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             req = self._persist("req_index", req, rows)
         else:
             facts = {k: _pad_rows(v, rows) for k, v in facts.items()}
-        query_index = output_index = None
+        query_index = output_index = kv_slots = None
+        dense = fresh = False
+        max_seq = int(seq_cpu[first:last].max())
         if not decode:
             i = torch.arange(lq, device=dev)
             starts, lens = _pad_rows(qsl[first:last], rows), facts["qlen"]
@@ -240,11 +251,29 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             tok = torch.arange(first_token, first_token + num_tokens, device=dev)
             r = torch.searchsorted(qsl[first + 1 : last + 1], tok, right=True)
             output_index = r * lq + (tok - qsl[first:last][r])
+            host_qlen = qsl_cpu[first + 1 : last + 1] - qsl_cpu[first:last]
+            dense = n == rows and num_tokens == rows * lq and bool((host_qlen == lq).all())
+            fresh = dense and bool((seq_cpu[first:last] == lq).all())
+            if self.gather_prefill and lq >= self.gather_min_queries:
+                kv_slots = self._kv_slots(facts["block_table"], facts["seq"], max_seq, num_cache_blocks)
         return FlexCall(
             first_req=first, num_reqs=n, first_token=first_token, num_tokens=num_tokens, query_len=lq,
-            max_seq=int(seq_cpu[first:last].max()), query_index=query_index, output_index=output_index,
+            max_seq=max_seq, query_index=query_index, output_index=output_index,
             req_index=req, qlen=facts["qlen"], ctx=facts["ctx"], seq=facts["seq"],
-            block_table=facts["block_table"], block_pos=block_pos, block_size=self.kv_cache_spec.block_size)
+            block_table=facts["block_table"], block_pos=block_pos, block_size=self.kv_cache_spec.block_size,
+            kv_slots=kv_slots, dense=dense, fresh=fresh)
+
+    def _kv_slots(self, table: Tensor, seq: Tensor, max_seq: int, num_cache_blocks: int) -> Tensor:
+        """(Bq, Skv) int64: the cache slot of each row's key position ``j`` (0 past its
+        sequence), ``Skv = bucket(max_seq)`` whole ``GATHER_BLOCK`` tiles. Slots are clamped into
+        the cache, so a hand-built table the host never saw cannot fault the gather."""
+        bs = self.kv_cache_spec.block_size
+        keys = bucket(max_seq, GATHER_BLOCK)
+        j = torch.arange(keys, device=table.device)
+        col = (j // bs).clamp(max=table.shape[1] - 1)
+        slots = table[:, col].long() * bs + j % bs
+        slots = torch.where(j[None, :] < seq[:, None], slots, 0)
+        return slots.clamp_(0, num_cache_blocks * bs - 1)
 
     def _mask_buffers(self, spec: MaskSpec, call: FlexCall, width: int) -> tuple[Tensor, ...]:
         """Persistent (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of ``spec``."""

@@ -28,11 +28,15 @@ from torch import Tensor
 
 from vattn.backends.flex_attention.mods import MaskMod, ScoreMod
 
-__all__ = ["CAUSAL", "FULL", "TREE", "FlexCall", "MaskSpec", "logical_mask", "physical_mask", "physical_score"]
+__all__ = ["CAUSAL", "FULL", "GATHER_BLOCK", "TREE", "FlexCall", "MaskSpec", "logical_mask", "logical_score",
+           "physical_mask", "physical_score"]
 
 #: ``MaskSpec.base``: causal attention, no structural mask (non-causal batches, or a user
 #: mask_mod that replaces causality), or TREE_ATTN's draft-tree mask.
 CAUSAL, FULL, TREE = "causal", "full", "tree"
+
+#: Keys per block-mask tile of a gathered launch (``FlexCall.kv_slots``).
+GATHER_BLOCK = 128
 
 
 @dataclass(frozen=True, eq=True)
@@ -69,13 +73,22 @@ class FlexCall:
     | max_seq | int | the longest ``seq`` of the launch (host copy) |
     | query_index | (Bq, Lq) int64, or None | flat token of query i of row b (0 for padding); None for decodes |
     | output_index | (num_tokens,) int64, or None | row ``b * Lq + i`` of each of the launch's tokens |
-    | req_index | (Bq,) int64 | the step's request index of row b (``b`` of user mods) |
+    | req_index | (Bq,) int32 | the step's request index of row b (``b`` of user mods) |
     | qlen, ctx, seq | (Bq,) int64 | new tokens, position of the first one, tokens after the step (0: padding) |
     | block_table | (Bq, W) int32 | the rows' block ids |
     | block_pos | (num_blocks,) int32 | the step's index of each block in its table (-1 or stale: unused) |
     | block_size | int | tokens per cache block |
     | tree | (Bq, Lq, Lq) bool, or None | TREE_ATTN: query k is query i itself or its ancestor |
+    | kv_slots | (Bq, Skv) int64, or None | a gathered launch: the cache slot of row b's key position j |
+    | dense | bool | the tokens fill the (Bq, Lq) grid in order: the queries and output are views |
+    | fresh | bool | dense, and every row is a whole prompt (no cached context) |
     | block_masks | dict | ``MaskSpec`` -> ``BlockMask``, built once per step |
+
+    A gathered launch (long queries: prefills) reads a copy of its keys in logical order,
+    ``(Bq, Hk, Skv, D)``, instead of the whole cache: its block masks then list logical tiles of
+    ``GATHER_BLOCK`` keys and its mods see logical positions directly (no table lookups), which
+    any FlexAttention kernel serves, FlashAttention's included. The copy costs one read of the
+    keys, small beside a prefill's compute.
     """
 
     first_req: int
@@ -94,6 +107,9 @@ class FlexCall:
     block_pos: Tensor
     block_size: int
     tree: Tensor | None = None
+    kv_slots: Tensor | None = None
+    dense: bool = False
+    fresh: bool = False
     block_masks: dict[MaskSpec, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -101,10 +117,21 @@ class FlexCall:
         """Bq, the padded rows of the launch."""
         return self.qlen.shape[0]
 
+    @property
+    def gathered(self) -> bool:
+        """The launch reads a gathered copy of its keys (``kv_slots``), not the whole cache."""
+        return self.kv_slots is not None
+
+    @property
+    def kv_block(self) -> int:
+        """Keys per block-mask tile: ``GATHER_BLOCK`` for a gathered launch, else one cache block."""
+        return GATHER_BLOCK if self.gathered else self.block_size
+
     def shape_key(self) -> tuple[Any, ...]:
         """The shapes the compiled kernel specializes on (besides q, the cache and the block mask)."""
         tree = None if self.tree is None else tuple(self.tree.shape)
-        return (tuple(self.block_table.shape), tuple(self.block_pos.shape), self.block_size, tree)
+        slots = None if self.kv_slots is None else tuple(self.kv_slots.shape)
+        return (tuple(self.block_table.shape), tuple(self.block_pos.shape), self.block_size, tree, slots, self.fresh)
 
 
 def logical_mask(call: FlexCall, spec: MaskSpec) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
@@ -113,6 +140,8 @@ def logical_mask(call: FlexCall, spec: MaskSpec) -> Callable[[Tensor, Tensor, Te
     qlen, ctx, seq, req, tree = call.qlen, call.ctx, call.seq, call.req_index, call.tree
     base, user, window = spec.base, spec.mask_mod, spec.window
     last_q = call.query_len - 1
+    if call.fresh and base != TREE:
+        return _fresh_mask(call.query_len, base, window, user, req)
 
     def mask(b: Tensor, h: Tensor, i: Tensor, kv: Tensor) -> Tensor:
         q_pos = ctx[b] + i
@@ -127,6 +156,23 @@ def logical_mask(call: FlexCall, spec: MaskSpec) -> Callable[[Tensor, Tensor, Te
             ok = ok & (kv > q_pos - window)
         if user is not None:  # at safe indices where invalid (user tensors are indexed by them)
             ok = ok & user(req[b], h, torch.where(ok, q_pos, 0), torch.where(ok, kv, 0))
+        return ok
+
+    return mask
+
+
+def _fresh_mask(lq: int, base: str, window: int | None, user: MaskMod | None,
+                req: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """``logical_mask`` of a fresh launch: every row holds ``lq`` queries at positions 0..lq-1
+    over the same keys, so only the user's mask reads a tensor (kernels that cannot read
+    captured tensors serve the rest)."""
+
+    def mask(b: Tensor, h: Tensor, i: Tensor, kv: Tensor) -> Tensor:
+        ok = kv <= i if base == CAUSAL else kv < lq
+        if window is not None:
+            ok = ok & (kv > i - window)
+        if user is not None:  # at safe indices where invalid (0: ``x * ok`` keeps the index dtype)
+            ok = ok & user(req[b], h, i * ok, kv * ok)
         return ok
 
     return mask
@@ -153,6 +199,27 @@ def physical_mask(call: FlexCall, spec: MaskSpec) -> MaskMod:
         return owned & logical(b, h, q_idx, kv_pos)
 
     return mask_mod
+
+
+def logical_score(call: FlexCall, score_mods: tuple[ScoreMod, ...]) -> ScoreMod | None:
+    """FlexAttention's score_mod for a gathered launch, whose ``kv_idx`` is the logical key
+    position: ``score_mods`` applied in order (safe indices where the position is masked)."""
+    if not score_mods:
+        return None
+    lq, fresh = call.query_len, call.fresh
+    qlen, ctx, seq, req = call.qlen, call.ctx, call.seq, call.req_index
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if fresh:
+            q_pos, kv_pos = q_idx, torch.where(kv_idx < lq, kv_idx, 0)
+        else:
+            ok = (q_idx < qlen[b]) & (kv_idx < seq[b])
+            q_pos, kv_pos = torch.where(ok, ctx[b] + q_idx, 0), torch.where(ok, kv_idx, 0)
+        for fn in score_mods:
+            score = fn(score, req[b], h, q_pos, kv_pos)
+        return score
+
+    return score_mod
 
 
 def physical_score(call: FlexCall, score_mods: tuple[ScoreMod, ...]) -> ScoreMod | None:

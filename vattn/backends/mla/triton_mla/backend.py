@@ -27,7 +27,10 @@ from vattn.backends.mla.impl import MLACommonImpl
 from vattn.backends.mla.triton_mla.config import (
     MAX_SPLITS,
     SPLIT_SCRATCH_BYTES,
+    DecodeTiles,
     decode_num_splits,
+    decode_tiles,
+    device_smem_bytes,
     split_scratch_numel,
 )
 from vattn.backends.triton.config import device_num_sms
@@ -49,8 +52,9 @@ def _launcher() -> Any:
 
 @dataclass(frozen=True)
 class TritonMLADecodePlan:
-    """The decode launch: its split count (from static sizes) and the builder's fp32 scratch."""
+    """The decode launch: its tiles and split count (from static sizes) and the builder's fp32 scratch."""
 
+    tiles: DecodeTiles
     num_splits: int
     partial_out: torch.Tensor | None
     partial_lse: torch.Tensor | None
@@ -63,6 +67,7 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.num_sms = device_num_sms(self.device)
+        self.tiles = decode_tiles(self.num_heads, self.kv_lora_rank, device_smem_bytes(self.device))
         n_o, n_lse = split_scratch_numel(self.max_graph_reqs, self.num_heads, self.kv_lora_rank, MAX_SPLITS)
         shrink = max(1, -(-n_o // (SPLIT_SCRATCH_BYTES // 4)))  # both cut to the budget alike
         self.partial_out = torch.empty(n_o // shrink, dtype=torch.float32, device=self.device)
@@ -72,8 +77,8 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
         """The split count of ``num_decode_tokens`` rows (a function of static sizes) that fits the scratch."""
         rows = decode.num_decode_tokens
         splits = decode_num_splits(max(rows, decode.num_decodes), self.num_heads, self.kv_lora_rank, self.num_sms,
-                                   scratch_numel=self.partial_out.numel())
-        decode.plan = TritonMLADecodePlan(splits, self.partial_out, self.partial_lse)
+                                   scratch_numel=self.partial_out.numel(), block_h=self.tiles.block_h)
+        decode.plan = TritonMLADecodePlan(self.tiles, splits, self.partial_out, self.partial_lse)
 
 
 class TritonMLAImpl(MLACommonImpl):
@@ -87,7 +92,7 @@ class TritonMLAImpl(MLACommonImpl):
             q_nope, q_pe, kv_cache, out, query_start_loc=md.query_start_loc, seq_lens=md.seq_lens,
             block_table=md.block_table, softmax_scale=self.scale, kv_lora_rank=self.kv_lora_rank,
             num_splits=plan.num_splits, kv_scale=layer._k_scale, partial_out=plan.partial_out,
-            partial_lse=plan.partial_lse)
+            partial_lse=plan.partial_lse, tiles=plan.tiles)
         return out
 
     def _prefill_attend(self, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,

@@ -1,29 +1,79 @@
 """TRITON_MLA's launch choices from static sizes only (nothing here imports Triton).
 
-``decode_num_splits`` picks the split-KV count of the absorbed decode from the number of
-decodes, heads and SMs, never from sequence lengths: every replay of a CUDA graph captured
-for a batch size takes the path its capture took.
+``decode_tiles`` picks the absorbed decode's tiles from the number of query heads, the latent
+width and the device's shared memory; ``decode_num_splits`` picks its split-KV count from the
+number of decodes, heads and SMs, never from sequence lengths: every replay of a CUDA graph
+captured for a batch size takes the path its capture took.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
+import torch
+
 from vattn.kernels.launch import next_power_of_2
 
-__all__ = ["BLOCK_H", "MAX_SPLITS", "SPLIT_SCRATCH_BYTES", "decode_block_n", "decode_num_splits",
-           "split_scratch_numel"]
+__all__ = ["DecodeTiles", "LARGE_TILE_SMEM", "MAX_SPLITS", "SPLIT_SCRATCH_BYTES", "decode_num_splits",
+           "decode_tiles", "device_smem_bytes", "split_scratch_numel"]
 
-BLOCK_H = 16
-"""Query heads per decode program (the M dimension of its ``tl.dot``; at least 16)."""
 MAX_SPLITS = 32
 """Most KV splits of one decode (a power of two)."""
 SPLIT_SCRATCH_BYTES = 64 << 20
 """Budget of the fp32 split partials (``splits * rows * heads * pad(kv_lora_rank)``)."""
 
 
-def decode_block_n(kv_lora_rank: int) -> int:
-    """Latent rows per decode key tile: fewer for wide latents (the tile and the (16, L)
-    accumulator share the registers)."""
-    return 32 if next_power_of_2(kv_lora_rank) >= 512 else 64
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One absorbed-decode launch's tiles.
+
+    ``block_h``: query heads per program (the M of its ``tl.dot``; 16 to 64): each key tile is
+    read once for that many heads, so ``H / block_h`` programs read every latent row.
+    ``block_n``: latent rows per key tile. ``num_warps`` / ``num_stages``: Triton's.
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: Shared memory per block (bytes) the large tiles need: Hopper's 227 KiB, not Ampere's 164.
+LARGE_TILE_SMEM = 200 << 10
+
+
+def decode_tiles(num_heads: int, kv_lora_rank: int, smem_bytes: int = 0) -> DecodeTiles:
+    """The decode tiles for ``num_heads`` query heads over a ``kv_lora_rank``-wide latent, on a
+    device with ``smem_bytes`` of shared memory per block (``device_smem_bytes``; 0: small tiles).
+
+    A key tile of a 512-wide latent is 64 rows where shared memory holds two of them beside the
+    query block: few heads (16 per GPU under tensor parallelism) then read the cache once with
+    16-row MMAs; many heads (128) take 64 a program (one Hopper warpgroup MMA), so the cache is
+    read twice instead of eight times. Elsewhere (Ampere, Ada) 16 heads and 32-row key tiles fit.
+    """
+    wide = next_power_of_2(kv_lora_rank) >= 512
+    if not wide:
+        return DecodeTiles(block_h=16, block_n=64, num_warps=4, num_stages=2)
+    if smem_bytes < LARGE_TILE_SMEM:
+        return DecodeTiles(block_h=16, block_n=32, num_warps=8, num_stages=2)
+    if num_heads <= 16:
+        return DecodeTiles(block_h=16, block_n=64, num_warps=4, num_stages=2)
+    return DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
+def device_smem_bytes(device: torch.device | str) -> int:
+    """Shared memory one block may use on ``device`` (0 off CUDA: the interpreter takes small tiles); cached."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _smem(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_scratch_numel(rows: int, num_heads: int, kv_lora_rank: int, num_splits: int) -> tuple[int, int]:
@@ -32,15 +82,15 @@ def split_scratch_numel(rows: int, num_heads: int, kv_lora_rank: int, num_splits
 
 
 def decode_num_splits(num_decodes: int, num_heads: int, kv_lora_rank: int, num_sms: int,
-                      scratch_numel: int | None = None) -> int:
-    """Split KV until about two programs run per SM: ``num_decodes * cdiv(H, BLOCK_H)``
-    programs without splits; capped by ``MAX_SPLITS`` and by the scratch (``scratch_numel``
-    fp32 elements of partial output; None: ``SPLIT_SCRATCH_BYTES``)."""
-    programs = max(1, num_decodes) * -(-num_heads // BLOCK_H)
-    target = 2 * num_sms
+                      scratch_numel: int | None = None, block_h: int = 16) -> int:
+    """Split KV until about one program runs per SM: ``num_decodes * cdiv(H, block_h)``
+    programs without splits (``block_h``: the launch's ``DecodeTiles.block_h``); capped by
+    ``MAX_SPLITS`` and by the scratch (``scratch_numel`` fp32 elements of partial output; None:
+    ``SPLIT_SCRATCH_BYTES``). More splits than that only add partials to merge."""
+    programs = max(1, num_decodes) * -(-num_heads // block_h)
     splits = 1
-    if programs < target:
-        splits = min(MAX_SPLITS, next_power_of_2(-(-target // programs)))
+    if programs < num_sms:
+        splits = min(MAX_SPLITS, next_power_of_2(-(-num_sms // programs)))
     budget = SPLIT_SCRATCH_BYTES // 4 if scratch_numel is None else scratch_numel
     while splits > 1 and split_scratch_numel(num_decodes, num_heads, kv_lora_rank, splits)[0] > budget:
         splits //= 2

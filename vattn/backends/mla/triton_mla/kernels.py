@@ -4,7 +4,8 @@
   Grid ``(B, cdiv(H, BLOCK_H), NUM_SPLITS)``: a program takes ``BLOCK_H`` query heads of one
   decode (their absorbed ``q_nope`` (L) and ``q_pe`` (R) rows) and a slice of its keys; each
   key tile of ``BLOCK_N`` latent rows is read once for all those heads, gathered through the
-  block table (one entry per token: any page size). Scores are ``q_nope . c + q_pe . k_pe``;
+  block table (one entry per tile where ``BLOCK_N`` divides the page size, else per token: any
+  page size). Scores are ``q_nope . c + q_pe . k_pe``;
   the values are the latent ``c`` itself. With one split it writes the output, else a
   normalized partial and its log-sum-exp per split, which ``_mla_combine_kernel`` merges.
   The split of a request covers ``cdiv(cdiv(seq_len, NUM_SPLITS), BLOCK_N)`` tiles: the grid
@@ -74,8 +75,12 @@ def _mla_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        base = blk * stride_cb + (offs_n % PAGE_SIZE) * stride_cs
+        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block id, contiguous rows
+            blk = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            base = blk * stride_cb + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_cs
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            base = blk * stride_cb + (offs_n % PAGE_SIZE) * stride_cs
         c = tl.load(cache_ptr + base[:, None] + offs_l[None, :] * stride_cw, mask=n_ok[:, None] & l_ok[None, :],
                     other=0.0)
         kp = tl.load(cache_ptr + base[:, None] + (LORA + offs_r)[None, :] * stride_cw,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vattn.backends.mla.triton_mla.config import BLOCK_H, decode_block_n, split_scratch_numel
+from vattn.backends.mla.triton_mla.config import DecodeTiles, decode_tiles, device_smem_bytes, split_scratch_numel
 from vattn.backends.mla.triton_mla.kernels import _mla_combine_kernel, _mla_decode_kernel, _mla_prefill_kernel
 from vattn.kernels.fp8 import FP8_DTYPES
 from vattn.kernels.launch import FastLaunch, next_power_of_2
@@ -27,7 +27,8 @@ def _pad(n: int) -> int:
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                softmax_scale: float, kv_lora_rank: int, num_splits: int = 1, kv_scale: torch.Tensor | None = None,
-               partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> None:
+               partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+               tiles: DecodeTiles | None = None) -> None:
     """Absorbed MLA decode over a paged latent cache, written into ``out``.
 
     | tensor | shape | dtype |
@@ -40,7 +41,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     | seq_lens, block_table | (B,), (B, max_blocks) | int32 |
 
     ``num_splits > 1`` writes fp32 partials into ``partial_out`` / ``partial_lse`` (allocated when
-    not given; ``split_scratch_numel`` sizes them) and merges them into ``out``.
+    not given; ``split_scratch_numel`` sizes them) and merges them into ``out``. ``tiles``:
+    the launch's tiles (None: ``decode_tiles`` for this device).
     """
     rows, num_heads, lora = q_nope.shape
     rope = q_pe.shape[2]
@@ -64,15 +66,17 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     else:
         partial_out = partial_lse = out
     dot_fp32 = q_nope.device.type != "cuda" or q_nope.dtype == torch.float32
-    grid = (num_reqs, -(-num_heads // BLOCK_H), num_splits)
+    if tiles is None:
+        tiles = decode_tiles(num_heads, lora, device_smem_bytes(q_nope.device))
+    grid = (num_reqs, -(-num_heads // tiles.block_h), num_splits)
     _DECODE[grid](
         q_nope, q_pe, kv_cache, out, partial_out, partial_lse,
         query_start_loc, seq_lens, block_table, kv_scale if fp8 else out,
         float(softmax_scale), num_heads, rows,
         *q_nope.stride(), *q_pe.stride(), *kv_cache.stride(), *out.stride(), block_table.stride(0),
         LORA=lora, LORA_PAD=lora_pad, ROPE=rope, ROPE_PAD=_pad(rope), PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=BLOCK_H, BLOCK_N=decode_block_n(lora), NUM_SPLITS=num_splits, KV_FP8=fp8, DOT_FP32=dot_fp32,
-        num_warps=4 if lora_pad <= 256 else 8, num_stages=2,
+        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, KV_FP8=fp8, DOT_FP32=dot_fp32,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _COMBINE[(rows, num_heads)](
