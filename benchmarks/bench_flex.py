@@ -8,7 +8,7 @@ Cases (GPU defaults; ``--quick`` on the CPU shrinks them to a smoke test):
 | ``prefill`` | 8 prompts x 2048, causal | the same |
 | ``decode_prefix_lm``, ``prefill_prefix_lm`` | the same shapes with a prefix-LM mask (prompt: the first quarter) | FLEX_ATTENTION |
 | ``prefill_document`` | prefill with documents of 512 tokens packed per sequence | FLEX_ATTENTION |
-| ``tree`` | 8 requests x 4096 context, each with a binary tree of 64 draft tokens | TREE_ATTN; FLEX_ATTENTION and TRITON_ATTN causal over 64 tokens as reference points |
+| ``tree`` | 8 requests x 4096 context, each with a binary tree of 64 draft tokens | TREE_ATTN and TRITON_ATTN (its kernel's tree mask); FLEX_ATTENTION and TRITON_ATTN causal over 64 tokens as reference points |
 
 vattn backends run ``impl.forward`` (KV store + attention; the builder's per-step work, block
 masks included, is timed apart as ``build_ms``) on metadata from their builders, as
@@ -130,7 +130,8 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, Callable[[int], bk.C
         ("decode", "prefix_lm", lambda s: flex_case(args, d_b, d_l - 1, 1, s), [("FLEX_ATTENTION", mods.prefix_lm(prompt(d_b, d_l)))]),
         ("prefill", "prefix_lm", lambda s: flex_case(args, p_b, 0, p_l, s), [("FLEX_ATTENTION", mods.prefix_lm(prompt(p_b, p_l)))]),
         ("prefill", "document", lambda s: flex_case(args, p_b, 0, p_l, s), [("FLEX_ATTENTION", mods.document(docs(p_b, p_l)))]),
-        ("tree", "tree", lambda s: flex_case(args, t_b, t_l, drafts, s, tree=True), [("TREE_ATTN", None)]),
+        ("tree", "tree", lambda s: flex_case(args, t_b, t_l, drafts, s, tree=True),
+         [("TREE_ATTN", None)] + ([] if args.device == "cpu" else [("vattn:TRITON_ATTN", None)])),
         ("tree", "causal", lambda s: flex_case(args, t_b, t_l, drafts, s), [("FLEX_ATTENTION", None), (base[0], None)]),
     ]
     return [g for g in grid if g[0] in args.cases or f"{g[0]}_{g[1]}" in args.cases]
@@ -206,7 +207,8 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
              "prefill_prefix_lm_over_causal": ratio(flex("prefill", "prefix_lm"), flex("prefill")),
              "decode_prefix_lm_over_causal": ratio(flex("decode", "prefix_lm"), flex("decode")),
              "prefill_document_over_causal": ratio(flex("prefill", "document"), flex("prefill")),
-             "tree_over_flex_causal": ratio(ms("tree", "tree", "TREE_ATTN", bs), flex("tree"))}
+             "tree_over_flex_causal": ratio(ms("tree", "tree", "TREE_ATTN", bs), flex("tree")),
+             "tree_triton_over_tree_attn": ratio(ms("tree", "tree", "TRITON_ATTN", bs), ms("tree", "tree", "TREE_ATTN", bs))}
         t["met"] = {"prefill >= 0.7x flash-attn-4": None if t["prefill_vs_flash_attn_4"] is None else t["prefill_vs_flash_attn_4"] >= 0.7,
                     "decode >= 0.6x TRITON_ATTN": None if t["decode_vs_triton"] is None else t["decode_vs_triton"] >= 0.6,
                     "masks <= 1.2x causal": all(v is None or v <= 1.2 for k, v in t.items() if k.endswith("_over_causal"))}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ __all__ = [
     "kv_round_trip",
     "make_random_batch",
     "reference_attention",
+    "tree_allowed",
 ]
 
 DECODER, ENCODER, ENCODER_ONLY, ENCODER_DECODER = "decoder", "encoder", "encoder_only", "encoder_decoder"
@@ -500,3 +501,19 @@ def check_cache_written(batch: RandomBatch, kv_cache: torch.Tensor | None = None
         got = cache[i].cpu()[slots // bs, slots % bs]
         if not torch.equal(want.view(torch.uint8), got.contiguous().view(torch.uint8)):
             raise AssertionError(f"kv_cache[{i}] at slot_mapping does not hold the new {'kv'[i]} rows")
+
+
+def tree_allowed(context_lens: Sequence[int], parents: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Per request of a draft-tree step: (query_len, seq_len) bool, the cached context plus each
+    new token's ancestors and itself (by walking ``parents``, never through vattn's code)."""
+    allowed = []
+    for ctx, ps in zip(context_lens, parents):
+        a = torch.zeros(len(ps), ctx + len(ps), dtype=torch.bool)
+        a[:, :ctx] = True
+        for i in range(len(ps)):
+            j = i
+            while j >= 0:
+                a[i, ctx + j] = True
+                j = ps[j]
+        allowed.append(a)
+    return allowed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vattn
-from attn_harness import BatchSpec, RandomBatch, assert_close, check_cache_untouched, make_random_batch
+from attn_harness import BatchSpec, RandomBatch, assert_close, check_cache_untouched, make_random_batch, tree_allowed
 from flex_harness import check_block_masks, explicit_reference, positions, run_impl
 from vattn.backends.flex_attention import mods
 from vattn.backends.registry import AttentionBackendEnum
@@ -29,22 +29,6 @@ def tree_batch(parents: list[list[int]] = PARENTS, context: tuple[int, ...] = CO
     return batch, common
 
 
-def tree_allowed(batch: RandomBatch, parents: list[list[int]]) -> list[torch.Tensor]:
-    """Per request: the cached context, plus each new token's ancestors and itself (by walking parents)."""
-    allowed = []
-    for r, ps in enumerate(parents):
-        ctx = batch.spec.context_lens[r]
-        a = torch.zeros(len(ps), ctx + len(ps), dtype=torch.bool)
-        a[:, :ctx] = True
-        for i in range(len(ps)):
-            j = i
-            while j >= 0:
-                a[i, ctx + j] = True
-                j = ps[j]
-        allowed.append(a)
-    return allowed
-
-
 def test_ancestors_close_the_parent_relation() -> None:
     got = ancestors(torch.tensor([[-1, 0, 0, 1, 3, -1, 5]]))[0]
     want = torch.zeros(7, 7, dtype=torch.bool)
@@ -57,7 +41,7 @@ def test_ancestors_close_the_parent_relation() -> None:
 def test_tree_step_matches_explicit_masks() -> None:
     batch, common = tree_batch()
     out, before, impl, md = run_impl(batch, TreeAttentionImpl, TreeAttentionMetadataBuilder, common=common)
-    want = explicit_reference(batch, impl.scale, tree_allowed(batch, PARENTS))
+    want = explicit_reference(batch, impl.scale, tree_allowed(batch.spec.context_lens, PARENTS))
     assert_close(out[: batch.num_actual_tokens], want, torch.float32)
     check_cache_untouched(before, batch.kv_cache, common.slot_mapping)
     check_block_masks(md, impl.mask_spec)
@@ -67,7 +51,7 @@ def test_tree_step_matches_explicit_masks() -> None:
 def test_tree_step_compiled() -> None:
     batch, common = tree_batch(seed=2)
     out, _, impl, _ = run_impl(batch, TreeAttentionImpl, TreeAttentionMetadataBuilder, common=common, compiled=True)
-    want = explicit_reference(batch, impl.scale, tree_allowed(batch, PARENTS))
+    want = explicit_reference(batch, impl.scale, tree_allowed(batch.spec.context_lens, PARENTS))
     assert_close(out[: batch.num_actual_tokens], want, torch.float32)
 
 
@@ -80,7 +64,7 @@ def test_without_trees_it_is_causal_and_a_user_mask_narrows_the_tree() -> None:
     batch, common = tree_batch(seed=4)
     out, _, impl, md = run_impl(batch, TreeAttentionImpl, TreeAttentionMetadataBuilder, common=common,
                                 mask_mod=mods.sliding_window(4))
-    allowed = [a & (k > q - 4) for a, (q, k) in zip(tree_allowed(batch, PARENTS),
+    allowed = [a & (k > q - 4) for a, (q, k) in zip(tree_allowed(batch.spec.context_lens, PARENTS),
                                                       (positions(batch, r) for r in range(len(PARENTS))))]
     assert_close(out[: batch.num_actual_tokens], explicit_reference(batch, impl.scale, allowed), torch.float32)
     check_block_masks(md, impl.mask_spec)
@@ -91,7 +75,7 @@ def test_wide_tree_of_64_drafts_with_gqa_and_bf16() -> None:
     parents = [[-1]] * 3 + [[-1] + [(i - 1) // 2 for i in range(1, 64)]]
     batch, common = tree_batch(parents, context=(30, 5, 17, 70), seed=5, dtype=torch.bfloat16, block_size=16)
     out, _, impl, md = run_impl(batch, TreeAttentionImpl, TreeAttentionMetadataBuilder, common=common)
-    want = explicit_reference(batch, impl.scale, tree_allowed(batch, parents))
+    want = explicit_reference(batch, impl.scale, tree_allowed(batch.spec.context_lens, parents))
     assert_close(out[: batch.num_actual_tokens], want, torch.bfloat16)
     check_block_masks(md, impl.mask_spec)
 
@@ -124,6 +108,6 @@ def test_cuda_tree_step_compiled() -> None:
     batch, common = tree_batch(parents, context=(30, 5, 17, 700), seed=6, dtype=torch.bfloat16, block_size=16,
                                device="cuda")
     out, _, impl, md = run_impl(batch, TreeAttentionImpl, TreeAttentionMetadataBuilder, common=common, compiled=True)
-    want = explicit_reference(batch, impl.scale, tree_allowed(batch, parents))
+    want = explicit_reference(batch, impl.scale, tree_allowed(batch.spec.context_lens, parents))
     assert_close(out[: batch.num_actual_tokens], want, torch.bfloat16, factor=2.0)
     check_block_masks(md, impl.mask_spec)

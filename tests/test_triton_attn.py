@@ -24,6 +24,7 @@ from attn_harness import (
     check_cache_untouched,
     check_cache_written,
     make_random_batch,
+    tree_allowed,
 )
 import triton_modules
 from vattn.backends.abstract import AttentionCGSupport, AttentionType
@@ -794,3 +795,130 @@ def test_cuda_layers_of_a_step_repeat_the_first_layers_launches(kv_dtype: str, s
     for got, want in zip(outs + caches, want_outs + want_caches):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert not torch.equal(outs[1], outs[2])
+
+
+# ---- draft trees ---------------------------------------------------------------------------
+
+#: A decode, a chain, two trees over cached context, one tree from scratch (as tests/test_tree_attn.py).
+TREE_PARENTS = [[-1], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 1, 2, -1], [-1, 0, 1, 0, 3], [-1, -1, 0, 1, 1, 2, 3, 0, 7]]
+TREE_CONTEXT = (9, 0, 20, 3, 0)
+
+
+def _tree_batch(parents: list[list[int]], context: tuple[int, ...], seed: int, **kw: object) -> RandomBatch:
+    """A random batch whose common metadata carries ``parents`` (flattened) as draft trees."""
+    from vattn.metadata import build_common_attn_metadata
+
+    spec = BatchSpec(context_lens=context, query_lens=tuple(len(p) for p in parents), **{**SMALL, **kw})  # type: ignore[arg-type]
+    batch = make_random_batch(spec, seed=seed)
+    batch.common = build_common_attn_metadata(list(spec.query_lens), list(context), batch.block_tables,
+                                              spec.block_size, device=spec.device,
+                                              tree_parents=[p for ps in parents for p in ps])
+    return batch
+
+
+@pytest.mark.parametrize("features", ["plain", "window_softcap", "sinks"])
+def test_draft_trees_match_explicit_masks(features: str) -> None:
+    """TRITON_ATTN honors ``tree_parents``: a new token sees the context, its ancestors, itself."""
+    from flex_harness import explicit_reference
+
+    batch = _tree_batch(TREE_PARENTS, TREE_CONTEXT, seed=40, block_size=4)
+    allowed = tree_allowed(TREE_CONTEXT, TREE_PARENTS)
+    kwargs: dict[str, object] = {}
+    score = sinks = None
+    if features == "window_softcap":
+        kwargs = dict(sliding_window=5, logits_soft_cap=2.0)
+        for r, a in enumerate(allowed):
+            s = a.shape[1]
+            q_pos = torch.arange(s - a.shape[0], s)[:, None]
+            a &= torch.arange(s)[None, :] > q_pos - 5
+        score = lambda s, r, q, k: 2.0 * torch.tanh(s / 2.0)  # noqa: E731
+    elif features == "sinks":
+        sinks = torch.linspace(-1.0, 2.0, SMALL["num_heads"])
+        kwargs = dict(sinks=sinks.to(DEV))
+    out, before = run(batch, **kwargs)
+    want = explicit_reference(batch, batch.spec.head_size**-0.5, allowed, score=score, sinks=sinks)
+    assert_close(out[: batch.num_actual_tokens], want, torch.float32)
+    check_cache_written(batch)
+    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+
+
+def test_wide_draft_tree_bf16() -> None:
+    """A binary tree of 64 drafts over a long context beside decodes, GQA, bf16, split KV allowed."""
+    from flex_harness import explicit_reference
+
+    parents = [[-1]] * 3 + [[-1] + [(i - 1) // 2 for i in range(1, 64)]]
+    context = (30, 5, 17, 70)
+    batch = _tree_batch(parents, context, seed=41, dtype=torch.bfloat16)
+    out, _ = run(batch)
+    want = explicit_reference(batch, batch.spec.head_size**-0.5, tree_allowed(context, parents))
+    assert_close(out[: batch.num_actual_tokens], want, torch.bfloat16)
+
+
+def test_draft_trees_run_outside_full_graphs_and_need_causal_attention() -> None:
+    batch = _tree_batch(TREE_PARENTS, TREE_CONTEXT, seed=42, block_size=4)
+    builder = _builder(batch)
+    assert not builder.can_run_in_cudagraph(batch.common)
+    md = builder.build(0, batch.common)
+    assert md.tree is not None and md.tree.dtype == torch.uint8 and md.tree.shape == (batch.query.shape[0], 9)
+    chain = dataclasses.replace(batch.common, tree_parents=None)
+    assert builder.can_run_in_cudagraph(chain) and builder.build(0, chain).tree is None
+    decodes = _tree_batch([[-1]] * 3, (4, 9, 2), seed=43)  # one-token trees: plain decodes
+    assert builder.can_run_in_cudagraph(decodes.common) and builder.build(0, decodes.common).tree is None
+    k_cache, v_cache = batch.kv_cache.unbind(0)
+    with pytest.raises(ValueError, match="tree needs causal attention"):
+        tua.paged_attention(batch.query, k_cache, v_cache, torch.empty_like(batch.query),
+                            cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, block_table=md.block_table,
+                            max_seqlen_q=9, max_seqlen_k=md.max_seq_len, softmax_scale=0.1, causal=False, tree=md.tree)
+    with pytest.raises(ValueError, match=r"tree must be \(T >="):
+        tua.paged_attention(batch.query, k_cache, v_cache, torch.empty_like(batch.query),
+                            cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, block_table=md.block_table,
+                            max_seqlen_q=9, max_seqlen_k=md.max_seq_len, softmax_scale=0.1, tree=md.tree[:, :4])
+
+
+def test_tree_attn_runs_triton_for_layers_without_mods() -> None:
+    """TREE_ATTN: a layer without mods runs this kernel's tree mask (the builder's Triton half),
+    one with a mask_mod FlexAttention; both match the explicit masks. A group of registered
+    layers that all run Triton skips FlexAttention's launches."""
+    from flex_harness import explicit_reference
+
+    import vattn
+    from vattn.backends.flex_attention import mods
+    from vattn.backends.tree_attn import TreeAttentionImpl, TreeAttentionMetadataBuilder
+
+    batch = _tree_batch(TREE_PARENTS, TREE_CONTEXT, seed=44, block_size=4)
+    spec = batch.spec
+    kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, batch.kv_cache.dtype, "auto")
+    builder = TreeAttentionMetadataBuilder(kv_spec, ["fake.attn"], VattnConfig(), torch.device(DEV))
+    builder.use_triton, builder.num_cache_blocks = True, batch.kv_cache.shape[1]
+    md = builder.build(0, batch.common)
+    assert md.triton is not None and md.triton.tree is not None and not md.flex_skipped
+    allowed = tree_allowed(TREE_CONTEXT, TREE_PARENTS)
+    scale = spec.head_size**-0.5
+    for mask_mod in (None, mods.sliding_window(4)):
+        impl = TreeAttentionImpl(spec.num_heads, spec.head_size, scale, spec.num_kv_heads, mask_mod=mask_mod,
+                                 compiled=False)
+        assert (impl.triton_impl is None) == (mask_mod is not None)
+        out = torch.zeros_like(batch.query)
+        impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)  # type: ignore[arg-type]
+        want_allowed = allowed
+        if mask_mod is not None:
+            want_allowed = []
+            for a in allowed:
+                s = a.shape[1]
+                q_pos = torch.arange(s - a.shape[0], s)[:, None]
+                want_allowed.append(a & (torch.arange(s)[None, :] > q_pos - 4))
+        assert_close(out[: batch.num_actual_tokens], explicit_reference(batch, scale, want_allowed), torch.float32)
+
+    cfg = VattnConfig(cache=vattn.CacheConfig(block_size=16))  # FLEX_ATTENTION's CUDA block sizes
+    with vattn.set_current_vattn_config(cfg):
+        vattn.Attention(spec.num_heads, spec.head_size, scale, num_kv_heads=spec.num_kv_heads, prefix="t0.attn",
+                        attn_backend="TREE_ATTN")
+    registered = TreeAttentionMetadataBuilder(kv_spec, ["t0.attn"], cfg, torch.device(DEV))
+    registered.use_triton, registered.num_cache_blocks = True, batch.kv_cache.shape[1]
+    md = registered.build(0, batch.common)
+    assert md.flex_skipped and md.calls == [] and md.triton is not None
+    flex_only = TreeAttentionImpl(spec.num_heads, spec.head_size, scale, spec.num_kv_heads,
+                                  mask_mod=mods.sliding_window(4), compiled=False)
+    with pytest.raises(ValueError, match="no FlexAttention launches"):
+        flex_only.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md,  # type: ignore[arg-type]
+                          output=torch.zeros_like(batch.query))

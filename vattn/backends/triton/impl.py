@@ -177,7 +177,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             with record_launches() as launches:
                 self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
             md.launch_plans[sig] = LaunchPlan.build(launches, roles, (
-                md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping, md.partial_out, md.partial_lse))
+                md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping, md.partial_out, md.partial_lse,
+                md.tree))
         elif plan is None or not plan.run(roles):  # no plan (or FastLaunch switched off since)
             self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
         return output
@@ -211,7 +212,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         config = md.config
         store = self.kv_sharing_target_layer_name is None and key is not None and value is not None
         # Decode configs store the new K/V inside the attention kernel (one launch less).
-        fuse = (store and config.one_loop and self.attn_type == AttentionType.DECODER
+        fuse = (store and config.one_loop and self.attn_type == AttentionType.DECODER and md.tree is None
                 and envs.VATTN_TRITON_FUSED_KV_STORE)
         if store and not fuse:
             store_kv(key, value, key_cache, value_cache, md.slot_mapping,
@@ -226,6 +227,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             if splits != config.num_splits:
                 config = dataclasses.replace(config, num_splits=splits)
         causal = md.causal and self.attn_type == AttentionType.DECODER
+        if md.tree is not None and not causal:
+            raise ValueError("TRITON_ATTN: draft trees (CommonAttentionMetadata.tree_parents) need causal decoder "
+                             f"attention; this layer is {self.attn_type!r} on a batch with causal={md.causal}.")
         window = None
         if self.sliding_window is not None and self.attn_type == AttentionType.DECODER:
             window = (self.sliding_window[0], 0 if causal else -1)
@@ -240,5 +244,5 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             k_scale=layer._k_scale, v_scale=layer._v_scale, output_scale=output_scale,
             config=config, partial_out=md.partial_out, partial_lse=md.partial_lse,
             key=key if fuse else None, value=value if fuse else None,
-            slot_mapping=md.slot_mapping if fuse else None,
+            slot_mapping=md.slot_mapping if fuse else None, tree=md.tree,
         )

@@ -85,6 +85,7 @@ def _attend_tiles(
     V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
     FROM_INPUT: tl.constexpr = False, CACHE_TY: tl.constexpr = None, KV_FP8: tl.constexpr = False,
     KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
+    TREE: tl.constexpr = False, tree_ptr=None, tree_rows=None, tree_ctx=0,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
@@ -95,7 +96,12 @@ def _attend_tiles(
     ``FROM_INPUT`` (needs ``MASK``): the keys are the step's new ones, read from the (T, Hk, D)
     key / value rows (``k_head_ptr``/``v_head_ptr`` at the KV head, ``stride_ks``/``stride_vs``
     the token strides): position ``n >= n_first`` is row ``n + row_shift``, converted as the
-    cache stores it (``CACHE_TY``, fp8 with ``k_scale_ptr``/``v_scale_ptr``)."""
+    cache stores it (``CACHE_TY``, fp8 with ``k_scale_ptr``/``v_scale_ptr``).
+
+    ``TREE`` (needs ``MASK``): a key at position ``n >= tree_ctx`` (the step's new token
+    ``n - tree_ctx``) is visible to row ``r`` only where ``tree_ptr[tree_rows[r] + n - tree_ctx]``
+    is nonzero (``tree_rows``: (BLOCK_M,) int64 offsets of the rows' ancestor bytes, < 0 for
+    padding rows)."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     offs_t = tl.arange(0, TILE_N)
@@ -165,6 +171,12 @@ def _attend_tiles(
                 if not CAUSAL:
                     ok = ok & ((window_right < 0)
                                | (offs_n[None, :] <= q_pos[:, None] + window_right))
+            if TREE:  # a new key: visible to its descendants (and itself) only
+                rel = offs_n - tree_ctx
+                new_key = (rel >= 0) & n_ok
+                anc = tl.load(tree_ptr + tree_rows[:, None] + rel[None, :],
+                              mask=(tree_rows >= 0)[:, None] & new_key[None, :], other=0)
+                ok = ok & ((rel < 0)[None, :] | (anc != 0))
             s = tl.where(ok, s, float("-inf"))
         if USE_SOFTCAP or USE_ALIBI:
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
@@ -202,8 +214,8 @@ def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seqused_k_ptr, block_table_ptr,
     sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr,
-    key_ptr, value_ptr, slot_ptr,
-    num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right,
+    key_ptr, value_ptr, slot_ptr, tree_ptr,
+    num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right, stride_tree,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -220,9 +232,12 @@ def _unified_attention_kernel(
     FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
     ONE_LOOP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     FUSE_STORE: tl.constexpr = False, KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
-    PDL_WAIT: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, TREE: tl.constexpr = False,
 ):
-    """``FUSE_STORE``: also write ``key``/``value`` (T, Hk, D) rows into the cache at
+    """``TREE``: draft trees; ``tree_ptr`` is a (T, stride_tree) byte matrix, row ``t``: which of
+    its request's new tokens token ``t`` sees (its ancestors and itself); keys before the step's
+    tokens stay visible to all. ``FUSE_STORE``: also write ``key``/``value`` (T, Hk, D) rows
+    into the cache at
     ``slot_ptr`` (< 0 skipped); queries then read their context from the cache and the
     step's keys from ``key``/``value``. ``PDL_WAIT``: launched with programmatic dependent
     launch; wait for the kernel before reading q or the new K/V."""
@@ -331,6 +346,9 @@ def _unified_attention_kernel(
     if CAUSAL:
         kv_hi = tl.minimum(kv_hi, q_last + 1)
         full_hi = tl.minimum(full_hi, q_first + 1)
+    if TREE:  # the step's keys need the tree mask: masked tiles only
+        full_hi = tl.minimum(full_hi, ctx_len)
+    tree_rows = tl.where(row_ok, tok_g.to(tl.int64) * stride_tree, -1)
     if USE_WINDOW:
         kv_lo = tl.where(window_left >= 0, tl.maximum(q_first - window_left, 0), 0)
         full_lo = tl.where(window_left >= 0, tl.maximum(q_last - window_left, 0), 0)
@@ -376,7 +394,8 @@ def _unified_attention_kernel(
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
+            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len)
     else:
         if USE_WINDOW:  # leading edge tiles (left window boundary)
             acc, m_i, l_i = _attend_tiles(
@@ -385,7 +404,8 @@ def _unified_attention_kernel(
                 qk_scale2, softcap_in, softcap_out, window_left, window_right,
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
                 BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+                True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
+                TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len)
         acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
             tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), kv_end,
@@ -399,7 +419,8 @@ def _unified_attention_kernel(
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
+            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len)
 
     if FUSE_STORE:
         # Split 0 (the one that stored them) attends to the step's keys: a longer query's in

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
+from vattn.backends.batch_checks import fail
+from vattn.backends.draft_tree import token_tree_rows
 from vattn.backends.triton.config import (
     UnifiedAttentionConfig,
     default_max_split_rows,
@@ -52,6 +54,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     | causal | bool | the batch's causal flag |
     | config | UnifiedAttentionConfig | launch config (tiles, splits), fixed per captured size |
     | partial_out, partial_lse | fp32 or None | split-KV scratch (the builder's, persistent) |
+    | tree | (T, W) uint8 or None | draft trees (``CommonAttentionMetadata.tree_parents``): row t marks the new tokens of its request token t sees |
     """
 
     num_actual_tokens: int
@@ -67,6 +70,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     config: UnifiedAttentionConfig
     partial_out: torch.Tensor | None = None
     partial_lse: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
     #: Per layer signature: the launches the step's first such layer made (``LaunchPlan``).
     launch_plans: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -122,6 +126,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         self._seq_lens = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
         self._slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
         self._block_table = torch.zeros((num_tokens, width), dtype=torch.int32, device=dev)
+
+    def can_run_in_cudagraph(self, common_attn_metadata: CommonAttentionMetadata) -> bool:
+        """Any batch but one with draft trees over several tokens of a request (its tree mask
+        is a kernel variant no graph holds: such a step runs eagerly, or piecewise)."""
+        return not _has_trees(common_attn_metadata)
 
     def _fits(self, cm: CommonAttentionMetadata) -> bool:
         t = cm.slot_mapping.shape[0]
@@ -179,6 +188,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             bk = b
             qsl, seq_lens = cm.query_start_loc[: b + 1], cm.seq_lens[:b]
             block_table, slots = cm.block_table_tensor[:b], cm.slot_mapping
+        tree = None
+        if _has_trees(cm):
+            tree = token_tree_rows(_checked_parents(cm), cm.query_start_loc, cm.query_start_loc_cpu, b, num_tokens,
+                                   cm.num_actual_tokens)
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_tokens=num_tokens,
@@ -193,6 +206,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             config=self._config(num_tokens, bk, cm.max_query_len),
             partial_out=self.partial_out,
             partial_lse=self.partial_lse,
+            tree=tree,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -210,3 +224,22 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             self._allocate(max(t, cm.num_reqs, self.max_graph_tokens), max(width, self._block_table.shape[1]))
         self._captured = True
         return self.build(0, cm)
+
+
+def _has_trees(cm: CommonAttentionMetadata) -> bool:
+    """The step carries draft trees that matter: parents given, and a request with several tokens."""
+    return cm.tree_parents is not None and cm.max_query_len > 1
+
+
+def _checked_parents(cm: CommonAttentionMetadata) -> torch.Tensor:
+    """``cm.tree_parents``, checked for what the kernel's row builder reads."""
+    parents, n = cm.tree_parents, cm.num_actual_tokens
+    assert parents is not None
+    if parents.dim() != 1 or parents.shape[0] < n or parents.is_floating_point():
+        fail("CommonAttentionMetadata.tree_parents", f"a 1-D int tensor of at least num_actual_tokens = {n} entries",
+             f"{parents.dtype} of shape {tuple(parents.shape)}",
+             "pass one parent index per new token (vattn.build_common_attn_metadata(..., tree_parents=...)).")
+    if parents.device != cm.query_start_loc.device:
+        fail("CommonAttentionMetadata.tree_parents", f"a tensor on {cm.query_start_loc.device}",
+             f"one on {parents.device}", "put it on the metadata's device.")
+    return parents

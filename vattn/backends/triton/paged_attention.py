@@ -131,6 +131,7 @@ def paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
 ) -> None:
     """Paged attention over a mixed batch, written into ``out`` (no host synchronization).
 
@@ -145,6 +146,7 @@ def paged_attention(
     | alibi_slopes, sinks | (H,) | float32 / any float |
     | key, value | (T, Hk, D), optional: the step's new K/V, stored by the kernel | fp16 / bf16 / fp32 |
     | slot_mapping | (T,) cache slot of each new token, < 0 = skip; with key / value | int64 (or int32) |
+    | tree | (T, W), optional: draft trees, ``tree[t, j]`` token t sees its request's new token j | bool / uint8 / int8 |
 
     ``key``/``value``/``slot_mapping`` (all or none) fuse the KV-cache store into the kernel:
     it writes what ``vattn.ops.kv_store.store_kv`` would (fp8 quantization included), and
@@ -160,7 +162,9 @@ def paged_attention(
     under ``causal``) keeps keys in ``[pos - left, pos + right]``, ``softcap`` applies
     ``softcap * tanh(s / softcap)`` to the scaled logits, ALiBi adds
     ``slope * (pos_k - pos_q)`` (vLLM's convention), a sink adds ``exp(sink)`` to the
-    softmax denominator.
+    softmax denominator. ``tree`` (speculative decoding with draft trees, under ``causal``):
+    a request's new keys are visible only where the query token's row says so (its ancestors
+    and itself; ``W`` at least the longest query), its cached keys to all its tokens.
     Rows of tokens past ``cu_seqlens_q[B]`` (padding) are left untouched.
 
     ``max_seqlen_q`` only picks the config; ``max_seqlen_k`` is accepted for FlashAttention
@@ -270,6 +274,19 @@ def paged_attention(
         partial_out = partial_lse = dummy
 
     fuse = key is not None or value is not None or slot_mapping is not None
+    if tree is not None:
+        if not (tree.dim() == 2 and tree.shape[0] >= num_tokens and tree.shape[1] >= max_seqlen_q
+                and tree.dtype in (torch.bool, torch.uint8, torch.int8) and tree.device == q.device
+                and tree.stride(1) == 1):
+            raise ValueError(
+                f"tree must be (T >= {num_tokens}, W >= max_seqlen_q = {max_seqlen_q}) bool / uint8 on {q.device} with "
+                f"unit last stride, got {tuple(tree.shape)} {tree.dtype} on {tree.device}; build it with "
+                "vattn.backends.tree_attn.ancestors (one row per query token).")
+        if fuse or not causal:
+            raise ValueError("tree needs causal attention and the KV store outside the kernel (key / value / "
+                             "slot_mapping None): store the step's K/V first (vattn.ops.kv_store.store_kv).")
+        if tree.dtype != torch.uint8:
+            tree = tree.view(torch.uint8)
     if fuse:
         _check_fused_store(key, value, slot_mapping, q, k_cache)
         assert key is not None and value is not None and slot_mapping is not None
@@ -297,8 +314,9 @@ def paged_attention(
         cu_seqlens_q, seqused_k, block_table,
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
-        qs, ks, vs, os_, new_k, new_v, slots,
+        qs, ks, vs, os_, new_k, new_v, slots, tree if tree is not None else dummy,
         num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
+        tree.stride(0) if tree is not None else 0,
         *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0), *new_strides,
         NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, SPLIT_KV=splits > 1,
@@ -311,7 +329,7 @@ def paged_attention(
         ONE_LOOP=config.one_loop, LAUNCH_DEPENDENTS=pdl, FUSE_STORE=fuse,
         KV_FP8_MAX=float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0,
         KV_ROUND_FIX=fp8_round_fix(k_cache.dtype, k_cache.device),
-        PDL_WAIT=pdl and ATTENTION_PDL, launch_pdl=pdl and ATTENTION_PDL, **launch,
+        PDL_WAIT=pdl and ATTENTION_PDL, TREE=tree is not None, launch_pdl=pdl and ATTENTION_PDL, **launch,
     )
     if splits > 1:
         _COMBINE_SPLITS[(num_tokens, num_q_heads)](
