@@ -408,7 +408,8 @@ def flex_model(num_layers: int, *, compiled: bool = False, **kw: object) -> tupl
     """test_compile's TinyModel on FLEX_ATTENTION (``compiled``: Inductor FlexAttention inside the op)."""
     from test_compile import build
 
-    model, cfg, kv = build(num_layers, attn_backend=FlexAttentionBackend, block_size=16, **kw)  # type: ignore[arg-type]
+    kw.setdefault("attn_backend", FlexAttentionBackend)
+    model, cfg, kv = build(num_layers, block_size=16, **kw)  # type: ignore[arg-type]
     for layer in model.layers:
         layer.attn.impl.compiled = compiled
     return model, cfg, kv
@@ -459,13 +460,17 @@ def test_cuda_graph_contract_emulated_on_cpu(mode: str, emulated_graphs: None) -
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["FLEX_ATTENTION", "TREE_ATTN"])
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE"])
-def test_cuda_graph_replay_equals_eager(mode: str) -> None:
+def test_cuda_graph_replay_equals_eager(mode: str, backend: str) -> None:
+    """TREE_ATTN's layers (no mods) run TRITON_ATTN's kernel from its half of the metadata."""
     import vattn
     from test_cudagraph import CUDA_MODEL, _scenario
+    from vattn.backends.tree_attn import TreeAttentionBackend
 
-    model, cfg, kv = flex_model(2, compiled=True, **{k: v for k, v in CUDA_MODEL.items() if k != "block_size"})
-    _scenario("FLEX_ATTENTION", getattr(vattn.CUDAGraphMode, mode), vattn.compile(model, cfg), cfg, kv, "cuda")
+    model, cfg, kv = flex_model(2, compiled=True, **{k: v for k, v in CUDA_MODEL.items() if k != "block_size"},
+                                **({"attn_backend": TreeAttentionBackend} if backend == "TREE_ATTN" else {}))
+    _scenario(backend, getattr(vattn.CUDAGraphMode, mode), vattn.compile(model, cfg), cfg, kv, "cuda")
 
 
 # ---- compiled ------------------------------------------------------------------------------------

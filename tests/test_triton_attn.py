@@ -922,3 +922,35 @@ def test_tree_attn_runs_triton_for_layers_without_mods() -> None:
     with pytest.raises(ValueError, match="no FlexAttention launches"):
         flex_only.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md,  # type: ignore[arg-type]
                           output=torch.zeros_like(batch.query))
+
+
+def test_tree_attn_capture_metadata_is_triton_persistent() -> None:
+    """TREE_ATTN's capture-time metadata (every layer on Triton): TRITON_ATTN's persistent
+    buffers, no FlexAttention launches; a later decode step of that size reuses the buffers
+    and the replayed launch matches the reference."""
+    import vattn
+    from vattn.backends.tree_attn import TreeAttentionImpl, TreeAttentionMetadataBuilder
+
+    cfg = VattnConfig(cache=vattn.CacheConfig(block_size=16),
+                      compilation=CompilationConfig(cudagraph_capture_sizes=(4, 8)))
+    spec = BatchSpec(context_lens=(7, 30, 0, 12), query_lens=(1, 1, 1, 1), **SMALL)
+    batch = make_random_batch(spec, seed=45)
+    scale = spec.head_size**-0.5
+    with vattn.set_current_vattn_config(cfg):
+        vattn.Attention(spec.num_heads, spec.head_size, scale, num_kv_heads=spec.num_kv_heads, prefix="g0.attn",
+                        attn_backend="TREE_ATTN")
+    kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, batch.kv_cache.dtype, "auto")
+    builder = TreeAttentionMetadataBuilder(kv_spec, ["g0.attn"], cfg, torch.device(DEV))
+    builder.use_triton, builder.num_cache_blocks = True, batch.kv_cache.shape[1]
+    builder._triton().use_persistent_buffers = True  # on by default on CUDA only
+    from mla_harness import dummy_decode_common
+
+    captured = builder.build_for_cudagraph_capture(dummy_decode_common(4, 8, DEV))
+    assert captured.flex_skipped and captured.triton is not None and captured.triton.config.one_loop
+    fresh = builder.build(0, batch.common)
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        assert getattr(fresh.triton, name).data_ptr() == getattr(captured.triton, name).data_ptr(), name
+    impl = TreeAttentionImpl(spec.num_heads, spec.head_size, scale, spec.num_kv_heads)
+    out = torch.zeros_like(batch.query)
+    impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, captured, output=out)  # type: ignore[arg-type]
+    assert_close(out[: batch.num_actual_tokens], batch.reference(scale=scale), torch.float32)

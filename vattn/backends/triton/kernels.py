@@ -30,6 +30,8 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
 * programmatic dependent launch (``PDL_WAIT``): launched with it, the kernel finds its
   request and block-table row while the kernel before it finishes, then waits for it
   (``gdc_wait``) before reading q or the new K/V.
+* draft trees (``TREE``): a byte row per query token says which of its request's new tokens
+  it sees (its ancestors and itself); the step's keys then lie in masked tiles only.
 * split-KV (``SPLIT_KV``): each of the grid's ``num_programs(2)`` splits handles a slice of
   the block's KV tiles and writes a normalized partial output plus its log2-sum-exp;
   ``_combine_splits_kernel`` merges them. The split count is a run-time value, so one
@@ -234,13 +236,13 @@ def _unified_attention_kernel(
     FUSE_STORE: tl.constexpr = False, KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
     PDL_WAIT: tl.constexpr = False, TREE: tl.constexpr = False,
 ):
-    """``TREE``: draft trees; ``tree_ptr`` is a (T, stride_tree) byte matrix, row ``t``: which of
-    its request's new tokens token ``t`` sees (its ancestors and itself); keys before the step's
-    tokens stay visible to all. ``FUSE_STORE``: also write ``key``/``value`` (T, Hk, D) rows
-    into the cache at
+    """``FUSE_STORE``: also write ``key``/``value`` (T, Hk, D) rows into the cache at
     ``slot_ptr`` (< 0 skipped); queries then read their context from the cache and the
     step's keys from ``key``/``value``. ``PDL_WAIT``: launched with programmatic dependent
-    launch; wait for the kernel before reading q or the new K/V."""
+    launch; wait for the kernel before reading q or the new K/V. ``TREE``: draft trees;
+    ``tree_ptr`` is a (T, stride_tree) byte matrix whose row ``t`` marks the new tokens of its
+    request that token ``t`` sees (its ancestors and itself); cached keys stay visible to all,
+    and the step's keys lie in masked tiles."""
     if LAUNCH_DEPENDENTS:  # a PDL-launched next kernel may start (it waits for our output itself)
         tl.extra.cuda.gdc_launch_dependents()
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
