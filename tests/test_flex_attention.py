@@ -153,8 +153,9 @@ def test_fuzz_gathered_launches(spec: BatchSpec, seed: int) -> None:
 
 @pytest.mark.parametrize("context", [0, 5], ids=["fresh", "context"])
 def test_dense_launch_reads_views(context: int) -> None:
-    """Requests of one power-of-two query length filling the padded batch: the queries and the output are
-    views of the step's tokens; without context (``fresh``) the masks read no per-row facts."""
+    """Requests of one power-of-two query length filling the padded batch: the queries and the
+    output are views of the step's tokens; without context (``fresh``) the masks read no
+    per-row facts."""
     batch = make_random_batch(BatchSpec(context_lens=(context,) * 4, query_lens=(32,) * 4, **GEOMETRY), seed=14)
     for gather in (False, True):
         for features in ({}, dict(sliding_window=7, logits_soft_cap=3.0)):

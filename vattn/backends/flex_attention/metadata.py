@@ -3,9 +3,9 @@
 The builder splits the step into launches (``FlexCall``): the leading one-token requests
 (decodes) as a ``(Bq, H, 1, D)`` batch that needs no gather, then the other requests as a padded
 ``(Bq, H, Lq, D)`` batch (on CUDA, with at least ``Q_BLOCK`` queries, over a gathered copy of
-their keys: ``FlexCall.kv_slots``). ``Bq`` and ``Lq`` are powers of two (``compiled.bucket``), the block
-table is padded to a width that only grows: few distinct shapes, so few compiles. It then
-builds the block masks of every ``MaskSpec`` its layers use, once for all of them.
+their keys: ``FlexCall.kv_slots``). ``Bq`` and ``Lq`` are powers of two (``compiled.bucket``),
+the block table is padded to a width that only grows: few distinct shapes, so few compiles. It
+then builds the block masks of every ``MaskSpec`` its layers use, once for all of them.
 
 On CUDA, the decode launch of a decode-only step of at most the largest capture size lives in
 persistent buffers (the block masks too), updated in place: a full CUDA graph captured for that
@@ -217,7 +217,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             pos = self._buffer("block_pos", (num_cache_blocks + 1,), torch.int32, fill=-1)
         else:
             pos = torch.full((num_cache_blocks + 1,), -1, dtype=torch.int32, device=table.device)
-        ok = used & (table >= 0) & (table < num_cache_blocks)  # ids past the cache (unchecked device tables): unused
+        ok = used & (table >= 0) & (table < num_cache_blocks)  # ids past the cache (unchecked tables): unused
         target = torch.where(ok, table.long(), num_cache_blocks)
         pos.scatter_(0, target.flatten(), cols.to(torch.int32).expand_as(target).flatten())
         return pos[:num_cache_blocks]
