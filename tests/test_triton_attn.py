@@ -869,6 +869,9 @@ def test_draft_trees_run_outside_full_graphs_and_need_causal_attention() -> None
         tua.paged_attention(batch.query, k_cache, v_cache, torch.empty_like(batch.query),
                             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, block_table=md.block_table,
                             max_seqlen_q=9, max_seqlen_k=md.max_seq_len, softmax_scale=0.1, causal=False, tree=md.tree)
+    bad = dataclasses.replace(batch.common, tree_parents=batch.common.tree_parents[:3])
+    with pytest.raises(ValueError, match=r"^CommonAttentionMetadata.tree_parents: expected a 1-D int tensor"):
+        builder.build(0, bad)
     with pytest.raises(ValueError, match=r"tree must be \(T >="):
         tua.paged_attention(batch.query, k_cache, v_cache, torch.empty_like(batch.query),
                             cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, block_table=md.block_table,

@@ -78,10 +78,11 @@ def _flash_importable() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
     """FlexAttention's FlashAttention backend (flash-attn-4's CuTe kernels) may serve queries of
     ``dtype`` on ``device``: flash-attn-4 is installed, the GPU is Hopper or Blackwell, the dtype
-    16-bit."""
+    16-bit (cached: a forward asks once per launch)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
     if torch.cuda.get_device_capability(device)[0] not in (9, 10):

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.batch_checks import fail
-from vattn.backends.draft_tree import ancestors
+from vattn.backends.draft_tree import ancestors, checked_parents, request_parents
 from vattn.backends.flex_attention.metadata import FlexAttentionMetadata, FlexAttentionMetadataBuilder
 from vattn.backends.flex_attention.paging import FlexCall
 
@@ -42,6 +41,7 @@ class TreeAttentionMetadataBuilder(FlexAttentionMetadataBuilder):
         super().__init__(*args, **kwargs)
         self.use_triton = self.device.type == "cuda"
         self._triton_builder: Any = None
+        self._all_triton: bool | None = None
 
     def _triton(self) -> Any:
         if self._triton_builder is None:
@@ -52,9 +52,14 @@ class TreeAttentionMetadataBuilder(FlexAttentionMetadataBuilder):
         return self._triton_builder
 
     def _flex_needed(self) -> bool:
-        layers = self._layers()
-        return not (self.use_triton and layers
-                    and all(getattr(layer.impl, "triton_impl", None) is not None for layer in layers))
+        """Some layer of the group runs FlexAttention (or none is registered yet); found once
+        the layers are registered."""
+        if self._all_triton is None:
+            layers = self._layers()
+            if not layers:
+                return True
+            self._all_triton = all(getattr(layer.impl, "triton_impl", None) is not None for layer in layers)
+        return not (self.use_triton and self._all_triton)
 
     def _assemble(self, cm: CommonAttentionMetadata, triton: Any,
                   flex: FlexAttentionMetadata | None) -> TreeAttentionMetadata:
@@ -84,20 +89,8 @@ class TreeAttentionMetadataBuilder(FlexAttentionMetadataBuilder):
         return self._assemble(cm, triton, flex)
 
     def _attach(self, call: FlexCall, common: CommonAttentionMetadata) -> None:
-        parents = common.tree_parents
-        if parents is None or call.query_index is None:  # no trees, or one token per request
+        if common.tree_parents is None or call.query_index is None:  # no trees, or one token per request
             return
-        n = common.num_actual_tokens
-        if parents.dim() != 1 or parents.shape[0] < n or parents.is_floating_point():
-            fail("CommonAttentionMetadata.tree_parents", f"a 1-D int tensor of at least num_actual_tokens = {n} "
-                 "entries", f"{parents.dtype} of shape {tuple(parents.shape)}",
-                 "pass one parent index per new token (vattn.build_common_attn_metadata(..., tree_parents=...)).")
-        if parents.device != call.qlen.device:
-            fail("CommonAttentionMetadata.tree_parents", f"a tensor on {call.qlen.device}", f"one on {parents.device}",
-                 "put it on the metadata's device.")
-        rows = torch.arange(call.query_len, device=parents.device)
+        rows = torch.arange(call.query_len, device=call.qlen.device)
         real = rows[None, :] < call.qlen[:, None]
-        parent = torch.where(real, parents.long()[call.query_index], -1)
-        # An out-of-range parent (only possible for hand-built device tensors) is no parent.
-        parent = torch.where((parent >= 0) & (parent < rows[None, :]), parent, -1)
-        call.tree = ancestors(parent)
+        call.tree = ancestors(request_parents(checked_parents(common), call.query_index, real))

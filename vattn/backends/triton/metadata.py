@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
-from vattn.backends.batch_checks import fail
-from vattn.backends.draft_tree import token_tree_rows
+from vattn.backends.draft_tree import checked_parents, token_tree_rows
 from vattn.backends.triton.config import (
     UnifiedAttentionConfig,
     default_max_split_rows,
@@ -190,7 +189,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             block_table, slots = cm.block_table_tensor[:b], cm.slot_mapping
         tree = None
         if _has_trees(cm):
-            tree = token_tree_rows(_checked_parents(cm), cm.query_start_loc, cm.query_start_loc_cpu, b, num_tokens,
+            tree = token_tree_rows(checked_parents(cm), cm.query_start_loc, cm.query_start_loc_cpu, b, num_tokens,
                                    cm.num_actual_tokens)
         return TritonAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
@@ -229,17 +228,3 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
 def _has_trees(cm: CommonAttentionMetadata) -> bool:
     """The step carries draft trees that matter: parents given, and a request with several tokens."""
     return cm.tree_parents is not None and cm.max_query_len > 1
-
-
-def _checked_parents(cm: CommonAttentionMetadata) -> torch.Tensor:
-    """``cm.tree_parents``, checked for what the kernel's row builder reads."""
-    parents, n = cm.tree_parents, cm.num_actual_tokens
-    assert parents is not None
-    if parents.dim() != 1 or parents.shape[0] < n or parents.is_floating_point():
-        fail("CommonAttentionMetadata.tree_parents", f"a 1-D int tensor of at least num_actual_tokens = {n} entries",
-             f"{parents.dtype} of shape {tuple(parents.shape)}",
-             "pass one parent index per new token (vattn.build_common_attn_metadata(..., tree_parents=...)).")
-    if parents.device != cm.query_start_loc.device:
-        fail("CommonAttentionMetadata.tree_parents", f"a tensor on {cm.query_start_loc.device}",
-             f"one on {parents.device}", "put it on the metadata's device.")
-    return parents
