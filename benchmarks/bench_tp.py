@@ -11,11 +11,12 @@ one process per GPU::
 Every rank first measures TP=1 on its own GPU (its own full model; only rank 0's figures are
 kept). Then for each TP size n of ``--tp-sizes`` (default 2, 4, ... up to the world) the world
 splits into groups of n consecutive ranks that run side by side (rank 0's group reports), once per
-all-reduce (``--allreduce``): ``auto`` (``examples/allreduce.py``: PyTorch's symmetric-memory
-one-shot or two-shot all-reduce by message size, P2P over NVLink, no multicast, NCCL above;
-NCCL throughout where symmetric memory is unavailable), ``nccl`` (c10d's functional all-reduce
-alone) and ``none`` (the collectives removed: wrong numbers, the step's compute alone, for the
-in-situ communication cost).
+all-reduce (``--allreduce``): ``fused`` (FlashInfer's all-reduce fused with the residual add and the
+next RMSNorm for the o_proj / down_proj sums, ``auto`` for the embedding's; skipped where FlashInfer
+is missing), ``auto`` (``examples/allreduce.py``: PyTorch's symmetric-memory one-shot or two-shot
+all-reduce by message size, P2P over NVLink, no multicast, NCCL above; NCCL throughout where
+symmetric memory is unavailable), ``nccl`` (c10d's functional all-reduce alone) and ``none`` (the
+collectives removed: wrong numbers, the step's compute alone, for the in-situ communication cost).
 
 A step is a uniform decode batch (``--batches``) of requests with ``--context`` tokens of random
 K/V already in their paged caches, run through ``vattn.CUDAGraphRunner`` (FULL graphs: the
@@ -25,7 +26,7 @@ all-reduces are inside the captured graph). Per row:
 | --- | --- |
 | ``graph_ms`` | median replay of the captured forward graph (CUDA events) |
 | ``step_ms`` | median wall time of a whole step: runner call (metadata, replay) + LM head (vocab all-gather) + argmax, synchronised |
-| ``allreduce_ms`` | the step's ``2 * layers + 1`` all-reduces of (batch, hidden) alone, captured back to back in one graph |
+| ``allreduce_ms`` | the step's ``2 * layers + 1`` all-reduces of (batch, hidden) alone, captured back to back in one graph (``fused``: ``2 * layers`` fused all-reduce + add + RMSNorm calls and one all-reduce) |
 | ``allreduce_share`` | ``allreduce_ms / graph_ms`` |
 | ``comm_in_situ_ms`` / ``comm_in_situ_share`` | ``graph_ms`` minus the ``none`` row's ``graph_ms`` (waiting for the slower rank included), and over ``graph_ms`` |
 | ``x_tp1_graph`` / ``x_tp1_step`` | the row's time over the TP=1 row of the same batch |
@@ -57,14 +58,14 @@ import vattn  # noqa: E402
 from examples.gemv import OneTokenGemv  # noqa: E402
 from benchmarks.common import (Table, default_dtype, env_info, fill_random_kv_, free_memory, progress,  # noqa: E402
                                split_kv_cache, token_counts, write_results)
-from examples.model import DecoderForCausalLM, get_preset, init_random_weights  # noqa: E402
+from examples.model import DecoderForCausalLM, RMSNorm, get_preset, init_random_weights  # noqa: E402
 from examples.tp import TensorParallel, tensor_parallel_run  # noqa: E402
 
 BLOCK = 16
 
 
 TARGETS = ((2, 1, 0.65), (4, 1, 0.45), (2, 64, 0.6))  # (tp, batch, most graph_ms over TP=1's)
-IMPLS = ("auto", "nccl", "none")
+IMPLS = ("fused", "auto", "nccl", "none")
 
 
 class _NoComm(TensorParallel):
@@ -76,6 +77,10 @@ class _NoComm(TensorParallel):
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    @property
+    def fused_norm(self) -> None:
+        return None
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -84,8 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--context", type=int, default=1024, help="tokens already in each request's KV cache")
-    p.add_argument("--allreduce", default=",".join(IMPLS), help="all-reduces to measure: auto, nccl, none")
+    p.add_argument("--allreduce", default=",".join(IMPLS), help="all-reduces to measure: fused, auto, nccl, none")
     p.add_argument("--tp-sizes", default=None, help="TP sizes above 1, comma-separated (default: 2, 4, ... up to the world)")
+    p.add_argument("--fused-pdl", default="auto", choices=["auto", "on", "off"],
+                   help="programmatic dependent launch of the fused all-reduce (auto: on Hopper and newer)")
     p.add_argument("--compile", action="store_true", help="vattn.compile the model (FULL_AND_PIECEWISE graphs)")
     p.add_argument("--backend", default=None, help="force a vattn attention backend")
     p.add_argument("--compile-sizes", default="1", help="CompilationConfig.compile_sizes, comma-separated token counts (\"\" for none): pieces also compiled for exactly these sizes (Inductor GEMV at 1)")
@@ -240,12 +247,21 @@ def measure(model: DecoderForCausalLM, cfg: vattn.VattnConfig, kv: Any, tp: Tens
 
 def allreduce_alone(tp: TensorParallel, batch: int, mcfg: Any, args: argparse.Namespace, device: torch.device,
                     group: Any) -> float:
-    """ms of the step's all-reduces of (batch, hidden), back to back, captured in one graph."""
+    """ms of the step's all-reduces of (batch, hidden), back to back, captured in one graph (with
+    the fused all-reduce enabled: the layers' fused all-reduce + add + RMSNorm calls and the
+    embedding's plain all-reduce)."""
     count = 2 * mcfg.num_hidden_layers + 1
     x = torch.randn(batch, mcfg.hidden_size, device=device).mul_(2.0**-60).to(args.dtype)
+    norm = RMSNorm(mcfg.hidden_size, mcfg.rms_norm_eps).to(device, args.dtype)
 
     def many() -> torch.Tensor:
         y = x
+        if tp.fused_norm is not None:
+            y = tp.all_reduce(y)
+            residual = y
+            for _ in range(count - 1):  # normed outputs and a residual that grows by their sum: finite
+                y, residual = tp.all_reduce_add_rms_norm(y, residual, norm)
+            return y + 0
         for _ in range(count):  # chained like the model's; values stay finite (x ~ 2^-60, doubled each time)
             y = tp.all_reduce(y)
         return y + 0  # waits for the last one
@@ -331,10 +347,15 @@ def run(args: argparse.Namespace, world_tp: TensorParallel, device: torch.device
             built_for = n
         if impl == "none":
             tp = _NoComm(tp.rank, n, tp.group)
-        elif impl == "auto":
+        elif impl in ("auto", "fused"):
             tp.algorithm = "auto"
             if not tp.enable_symm_mem(max(args.batches), hidden, args.dtype, device):
                 skipped[f"tp{n} auto"] = "symmetric memory unavailable here (see the log): auto is NCCL throughout"
+            pdl = {"auto": None, "on": True, "off": False}[args.fused_pdl]
+            if impl == "fused" and not tp.enable_fused_norm(max(args.batches), hidden, args.dtype, device, pdl):
+                skipped[f"tp{n} fused"] = "FlashInfer's fused all-reduce unavailable here (see the log)"
+                tp.disable_symm_mem()
+                continue
         elif impl == "nccl":
             tp.disable_symm_mem()
             tp.algorithm = "nccl"
@@ -357,12 +378,14 @@ def run(args: argparse.Namespace, world_tp: TensorParallel, device: torch.device
     model = cfg = kv = None
     free_memory()
     summary = {"preset": args.preset, "dtype": str(args.dtype), "context": args.context, "compile": args.compile,
-               "compile_sizes": args.compile_sizes, "tp_sizes": [1, *sizes],
+               "compile_sizes": args.compile_sizes, "tp_sizes": [1, *sizes], "fused_pdl": args.fused_pdl,
                "attention_backend": backend, "world": world, "skipped": skipped,
                "seconds": time.perf_counter() - t0, "topology": topology(device, world), **summarize(rows),
                "notes": ["TP=1 rows: every rank measured alone on its own GPU at the same time; rank 0's kept",
                          "TP=n < world: the world's groups of n ranks ran side by side; rank 0's group reported",
-                         "allreduce 'auto': symmetric-memory one-/two-shot by message size, NCCL above; "
+                         "allreduce 'fused': FlashInfer's all-reduce + residual add + RMSNorm kernel for the "
+                         "layers' sums ('auto' for the embedding's); "
+                         "'auto': symmetric-memory one-/two-shot by message size, NCCL above; "
                          "'nccl': c10d functional all-reduce; 'none': collectives removed (the compute alone; "
                          "wrong numbers)",
                          "graph_ms: CUDA-event median of the full-graph replay; step_ms: wall median of "

@@ -126,9 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sync on every step's tokens instead of preparing the next step while the GPU runs "
                         "(Engine(async_scheduling=False); the tokens are the same)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun --nproc-per-node N)")
-    p.add_argument("--allreduce", default="auto", choices=["auto", "nccl"],
-                   help="with --tp on GPUs: auto = symmetric-memory one-/two-shot all-reduce by message size where "
-                        "the GPUs have peer access, NCCL for large messages (examples/allreduce.py); nccl = NCCL only")
+    p.add_argument("--allreduce", default="auto", choices=["auto", "symm_mem", "nccl"],
+                   help="with --tp on GPUs: auto = FlashInfer's all-reduce fused with the residual add and RMSNorm "
+                        "where FlashInfer is installed, and symm_mem for the rest; symm_mem = symmetric-memory "
+                        "one-/two-shot all-reduce by message size where the GPUs have peer access, NCCL for large "
+                        "messages (examples/allreduce.py); nccl = NCCL only")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (prompts are in [len/2, len])")
     p.add_argument("--output-len", type=int, default=32, help="longest output (outputs are in [len/2, len])")
@@ -274,9 +276,12 @@ def _run(args: argparse.Namespace, tp: TensorParallel, graphs: contextlib.ExitSt
         model, cfg, kv, tokenizer, prompts = build_hf(args)
     else:
         model, cfg, kv = build(args, tp)
-    if tp.size > 1 and args.allreduce == "auto" and kv_device(kv).type == "cuda":
-        tp.enable_symm_mem(max(args.max_num_batched_tokens, args.max_num_seqs), model.config.hidden_size,
-                           DTYPES[args.dtype], kv_device(kv))  # False (logged): NCCL throughout
+    if tp.size > 1 and args.allreduce != "nccl" and kv_device(kv).type == "cuda":
+        tokens, hidden = max(args.max_num_batched_tokens, args.max_num_seqs), model.config.hidden_size
+        tp.enable_symm_mem(tokens, hidden, DTYPES[args.dtype], kv_device(kv))  # False (logged): NCCL throughout
+        if args.allreduce == "auto":  # decode-sized steps; larger ones are bandwidth-bound and go symm_mem / NCCL
+            fused_tokens = max(args.max_num_seqs, min(tokens, 1024))
+            tp.enable_fused_norm(fused_tokens, hidden, DTYPES[args.dtype], kv_device(kv))  # False (logged): unfused
     backend = next(iter(cfg.attention_layers().values())).attn_backend.get_name()
     forward_fn: Callable[..., torch.Tensor] = model
     if args.compile:
@@ -339,7 +344,10 @@ def _run(args: argparse.Namespace, tp: TensorParallel, graphs: contextlib.ExitSt
         result["texts"] = [completion_text(tokenizer, r.output_token_ids) for r in requests]
     if not lead:
         return result
-    tp_note = f" with {'symmetric-memory + ' if tp.symm_mem is not None else ''}c10d all-reduce" if tp.size > 1 else ""
+    tp_note = ""
+    if tp.size > 1:
+        kinds = [k for k, on in (("fused + RMSNorm", tp.fused_norm), ("symmetric-memory", tp.symm_mem)) if on is not None]
+        tp_note = f" with {' + '.join([*kinds, 'c10d'])} all-reduce"
     print(f"model {args.hf or args.preset} ({args.dtype}, {args.device}, tp={tp.size}{tp_note}), backend {backend}, "
           f"compile={args.compile}, scheduling={'sync' if args.sync_scheduling else 'async'}, "
           f"cudagraph={result['cudagraph_mode']}; {len(requests)} requests, {len(stats)} steps in {wall:.2f} s"

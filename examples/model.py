@@ -21,9 +21,13 @@ Weights use Hugging Face names, with q/k/v and gate/up fused::
 
 Tensor parallelism: pass ``tp=`` (``examples.tp.TensorParallel``, from ``init_tensor_parallel``
 under ``torchrun``) and every rank builds its shard: column-parallel QKV and gate/up, row-parallel
-o_proj / down_proj (each followed by an all-reduce), vocab-parallel embedding and LM head (see
-``examples/tp.py``). ``load_hf_state_dict`` and ``init_random_weights`` take the full tensors
-and keep this rank's slices, so every TP size runs the same model.
+o_proj / down_proj, vocab-parallel embedding and LM head (see ``examples/tp.py``).
+``load_hf_state_dict`` and ``init_random_weights`` take the full tensors and keep this rank's
+slices, so every TP size runs the same model. The residual stream is carried beside the hidden
+states, as in vLLM's models: a layer returns its MLP's un-reduced output and the residual, and the
+next step (the next layer's input norm, or the final norm) does ``all-reduce -> + residual ->
+RMSNorm`` in one call, one kernel where FlashInfer's fused all-reduce is enabled
+(``TensorParallel.enable_fused_norm``).
 
 RoPE: ``default``, ``linear`` and ``llama3`` (Llama 3.1/3.2) scaling are implemented and
 match ``transformers``; other ``rope_type``s (yarn, dynamic, longrope) raise
@@ -41,6 +45,7 @@ import torch
 from torch import nn
 
 import vattn
+from examples.allreduce import rms_norm
 from examples.tp import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, ShardedModule, TensorParallel,
                          VocabParallelEmbedding, attention_shards, split_rows)
 
@@ -197,10 +202,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
@@ -292,7 +294,7 @@ class SelfAttention(nn.Module):
         self.q_size, self.kv_size = q_rows.size, kv_rows.size
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, kv_rows, kv_rows], bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, tp, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, tp, bias=cfg.attention_bias, reduce_results=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -305,7 +307,8 @@ class SelfAttention(nn.Module):
         )
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """``cos_sin``: the step's RoPE table rows (``RotaryEmbedding.cos_sin``); x (T, hidden)."""
+        """``cos_sin``: the step's RoPE table rows (``RotaryEmbedding.cos_sin``); x (T, hidden) ->
+        (T, hidden) o_proj output, this rank's partial sums under tensor parallelism."""
         T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
         # Heads split on the contiguous projection output: no reshape of a strided slice
         # (which would make a compiled graph guard on the token count being 1).
@@ -323,7 +326,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (this rank's slice)."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (this rank's
+    slice); under tensor parallelism it returns this rank's partial sums (not all-reduced)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -331,7 +335,7 @@ class MLP(nn.Module):
         rows = split_rows(cfg.intermediate_size, tp, "intermediate_size")
         self.intermediate_size = rows.size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [rows, rows], bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, tp, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, tp, bias=cfg.mlp_bias, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -339,23 +343,35 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks over a residual stream carried beside the hidden states."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding, attn_backend: Any = None,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_idx, rope, attn_backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden): the embeddings (``residual`` None, first layer) or the previous layer's
+        MLP output (partial sums under tensor parallelism); residual (T, hidden): the stream before
+        that output. Returns this layer's MLP output (not yet reduced) and its residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.tp.all_reduce_add_rms_norm(x, residual, self.input_layernorm)
+        h, residual = self.tp.all_reduce_add_rms_norm(self.self_attn(cos_sin, h), residual,
+                                                      self.post_attention_layernorm)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_backend: Any = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        tp = tp or TensorParallel()
+        self.tp = tp = tp or TensorParallel()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling)
@@ -366,9 +382,12 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, as transformers does
+        residual = None
         for layer in self.layers:
-            x = layer(cos_sin, x)
-        return self.norm(x)
+            x, residual = layer(cos_sin, x, residual)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.tp.all_reduce_add_rms_norm(x, residual, self.norm)[0]
 
 
 class DecoderForCausalLM(nn.Module):

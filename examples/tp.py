@@ -20,8 +20,12 @@ Collectives: the all-reduce is one opaque op, ``torch.ops.vattn_examples.all_red
 (examples/allreduce.py), which picks PyTorch's one-shot or two-shot symmetric-memory all-reduce
 (P2P loads over NVLink, no multicast) or NCCL by message size once ``enable_symm_mem`` gave the
 group a buffer, and c10d's functional all-reduce (NCCL on GPUs, gloo on the CPU) otherwise. The
-all-gather is ``_c10d_functional.all_gather_into_tensor``. Dynamo traces both into the graph with
-no break (``fullgraph=True``), and CUDA graphs capture them.
+o_proj and down_proj all-reduces are not done by their layers (``reduce_results=False``): the
+decoder layer hands the partial sums to ``TensorParallel.all_reduce_add_rms_norm``, which sums
+them, adds the residual and applies the next RMSNorm, in one FlashInfer kernel once
+``enable_fused_norm`` gave the group its workspace (``vattn_examples::all_reduce_add_rms_norm``).
+The all-gather is ``_c10d_functional.all_gather_into_tensor``. Dynamo traces them all into the
+graph with no break (``fullgraph=True``), and CUDA graphs capture them.
 
 Leaving: ``tensor_parallel_run`` joins the group and leaves it cleanly. On success every rank
 waits for the others, then the group is destroyed, so no process stays behind its last step;
@@ -70,7 +74,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import examples.gemv.op  # noqa: F401  (registers torch.ops.vattn_examples.gemv)
-from examples.allreduce import (AllReducePolicy, SymmetricMemoryAllReduce, disable_symm_mem, enable_symm_mem,
+from examples.allreduce import (AllReducePolicy, FusedNormAllReduce, SymmetricMemoryAllReduce, disable_fused_norm,
+                                disable_symm_mem, enable_fused_norm, enable_symm_mem, fused_norm_all_reduce,
                                 symm_mem_all_reduce)
 
 __all__ = [
@@ -131,6 +136,21 @@ class TensorParallel:
             return x
         return torch.ops.vattn_examples.all_reduce(x, self._check_group(), self.algorithm)
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(s), s)`` with ``s = sum_ranks(x) + residual``: the end of a row-parallel
+        projection, its residual add and the next RMSNorm. x, residual: (T, hidden).
+
+        ``norm`` is an RMSNorm module (its ``weight`` and ``eps``). With ``enable_fused_norm``
+        this is one opaque op (``vattn_examples::all_reduce_add_rms_norm``, FlashInfer's fused
+        kernel); otherwise ``all_reduce``, the add and ``norm`` (which Inductor fuses).
+        """
+        if self.size > 1 and self.fused_norm is not None:
+            return torch.ops.vattn_examples.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps,
+                                                                    self._check_group())
+        summed = self.all_reduce(x) + residual
+        return norm(summed), summed
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(N, d) on every rank -> (N, size*d), rank r's block at columns ``[r*d, (r+1)*d)``."""
         if self.size == 1:
@@ -177,14 +197,39 @@ class TensorParallel:
         return enable_symm_mem(self.group, nbytes, torch.device(device), policy)
 
     def disable_symm_mem(self) -> None:
-        """Back to NCCL for every all-reduce of this group."""
+        """Back to NCCL for every all-reduce of this group (the fused one included)."""
         if self.group_name is not None:
             disable_symm_mem(self.group_name)
+            disable_fused_norm(self.group_name)
 
     @property
     def symm_mem(self) -> SymmetricMemoryAllReduce | None:
         """The group's symmetric buffer and size policy (None: every all-reduce is NCCL)."""
         return symm_mem_all_reduce(self.group_name) if self.group_name is not None else None
+
+    def enable_fused_norm(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                          pdl: bool | None = None) -> bool:
+        """Fuse the all-reduces that end a layer's attention and MLP with their residual add and the
+        next RMSNorm (FlashInfer's kernel, ``examples.allreduce.enable_fused_norm``; ``pdl``:
+        programmatic dependent launch, default on Hopper and newer) for steps of up to
+        ``max_tokens`` tokens; the other all-reduces of such steps use its plain all-reduce. A
+        collective. Returns False (and keeps the unfused path) where FlashInfer, CUDA peer access
+        or symmetric memory is missing. Takes effect in models traced after it
+        (``torch._dynamo.reset()`` before recompiling one).
+        """
+        if self.size == 1:
+            return False
+        return enable_fused_norm(self.group, max_tokens, hidden_size, dtype, torch.device(device), pdl)
+
+    def disable_fused_norm(self) -> None:
+        """Back to the unfused all-reduce + add + RMSNorm (for models traced after this)."""
+        if self.group_name is not None:
+            disable_fused_norm(self.group_name)
+
+    @property
+    def fused_norm(self) -> FusedNormAllReduce | None:
+        """The group's fused all-reduce + RMSNorm workspace (None: unfused)."""
+        return fused_norm_all_reduce(self.group_name) if self.group_name is not None else None
 
 
 def init_tensor_parallel(tp_size: int | None, device: torch.device | str, timeout: timedelta | None = None
@@ -364,16 +409,22 @@ class ColumnParallelLinear(ShardedModule):
 class RowParallelLinear(ShardedModule):
     """``y = all_reduce(x_r W_r^T) + b``: input features sharded (``cols``), bias added once.
 
-    ``forward(x (T, cols.size)) -> (T, out_features)``, one all-reduce.
+    ``forward(x (T, cols.size)) -> (T, out_features)``: one all-reduce, or, with
+    ``reduce_results=False``, this rank's partial sums (rank 0's with the bias), which the caller
+    reduces (``TensorParallel.all_reduce_add_rms_norm``), as vLLM's layer of that name does.
     """
 
-    def __init__(self, cols: RowSlice, out_features: int, tp: TensorParallel, bias: bool = False) -> None:
+    def __init__(self, cols: RowSlice, out_features: int, tp: TensorParallel, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self.cols, self.out_features, self.tp = cols, out_features, tp
+        self.reduce_results = reduce_results
         self.weight = nn.Parameter(torch.empty(out_features, cols.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce_results:  # the bias once in the sum: on rank 0 only
+            return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

@@ -23,9 +23,10 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -139,6 +140,7 @@ def worker(rank: int, world: int, port: int, folder: Path, device_type: str) -> 
     out["subgroup"] = (sub.rank, sub.size, dist.get_process_group_ranks(sub.group), tp.subgroup(world) is tp)
     if cuda:
         out["ops"] = all_reduce_errors(tp, torch.device(device))
+        out["fused_ops"] = fused_norm_errors(tp, torch.device(device))
     for name, mcfg in CASES.items():
         sd = torch.load(folder / f"{name}.pt")
         model, cfg, kv = build(mcfg, sd, tp, device, torch.bfloat16 if cuda else torch.float32)
@@ -147,6 +149,14 @@ def worker(rank: int, world: int, port: int, folder: Path, device_type: str) -> 
                      "kv_shape": tuple(next(iter(kv.tensors.values())).shape)}
         for how in ("cudagraph", "cudagraph-compiled") if cuda else ("compiled",):
             out[name][how] = generate(model, cfg, kv, tp, how)
+        if not cuda:  # the model through vattn_examples::all_reduce_add_rms_norm, which falls back in the op
+            with fused_norm_declining(tp) as asked:
+                out[name]["compiled-fused-op"] = generate(model, cfg, kv, tp, "compiled")
+            out[name]["compiled-fused-op"]["op_calls"] = len(asked)
+        if cuda and tp.enable_fused_norm(BUDGET, mcfg.hidden_size, torch.bfloat16, torch.device(device)):
+            for how in ("cudagraph", "cudagraph-compiled"):
+                out[name][f"fused {how}"] = generate(model, cfg, kv, tp, how)
+            tp.disable_fused_norm()
         if cuda and tp.enable_symm_mem(BUDGET, mcfg.hidden_size, torch.bfloat16, torch.device(device)):
             for algo in ("one_shot", "two_shot"):  # every message of these steps fits either
                 tp.algorithm = algo
@@ -185,6 +195,68 @@ def all_reduce_errors(tp: TensorParallel, device: torch.device) -> dict[str, Any
                 errors["chosen"][str(shape)] = tp.symm_mem.choose(x)
     tp.algorithm = "auto"
     tp.disable_symm_mem()
+    return errors
+
+
+@contextmanager
+def fused_norm_declining(tp: TensorParallel) -> Iterator[list[int]]:
+    """The group looks fused to the model (it calls ``vattn_examples::all_reduce_add_rms_norm``)
+    but the workspace serves no message, so every call takes the op's own fallback. Yields the
+    token count of every call the op made."""
+    from examples import allreduce
+
+    asked: list[int] = []
+
+    class Declines:
+        def fits(self, x: torch.Tensor) -> bool:  # the plain all-reduce (embedding, fallback)
+            return False
+
+        def serves(self, x: torch.Tensor, *args: Any) -> bool:
+            asked.append(x.shape[0])
+            return False
+
+    allreduce._FUSED[tp.group_name] = Declines()  # type: ignore[assignment]
+    try:
+        yield asked
+    finally:
+        allreduce._FUSED.pop(tp.group_name)
+
+
+def fused_norm_errors(tp: TensorParallel, device: torch.device) -> dict[str, Any]:
+    """Max error of ``vattn_examples::all_reduce_add_rms_norm`` (FlashInfer's kernel where it is
+    enabled, the fallback past its workspace) per shape, eager and replayed from a CUDA graph, against
+    a float32 reference over every rank's random partial sums (bf16 in and out)."""
+    hidden, max_tokens = 4096, 64
+    if not tp.enable_fused_norm(max_tokens, hidden, torch.bfloat16, device):
+        return {"fused": False}
+    errors: dict[str, Any] = {"fused": True}
+    eps = 1e-5
+    for tokens in (1, 3, 64, 100):  # 100: past the workspace, the op's fallback
+        g = torch.Generator(device="cpu").manual_seed(tokens)
+        parts = torch.randn(tp.size, tokens, hidden, generator=g).to(device, torch.bfloat16)
+        residual = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16)
+        x = parts[tp.rank].clone()
+
+        def op() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.ops.vattn_examples.all_reduce_add_rms_norm(x, residual, weight, eps, tp.group_name)
+
+        eager, eager_sum = op(), tp.all_reduce(x)  # the plain one: FlashInfer's kernel up to 64 tokens
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured, captured_sum = op(), tp.all_reduce(x)
+        x.copy_(-parts[tp.rank])
+        graph.replay()
+        torch.cuda.synchronize(device)
+        for sign, (normed, summed), reduced in ((1, eager, eager_sum), (-1, captured, captured_sum)):
+            total = sign * parts.float().sum(0)
+            want = total + residual.float()
+            want_norm = weight.float() * want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + eps)
+            errors[f"{tokens} sum {sign:+d}"] = ((summed.float() - want).abs().max() / want.abs().max()).item()
+            errors[f"{tokens} norm {sign:+d}"] = ((normed.float() - want_norm).abs().max() / want_norm.abs().max()).item()
+            errors[f"{tokens} all_reduce {sign:+d}"] = ((reduced.float() - total).abs().max() / total.abs().max()).item()
+        del graph
+    tp.disable_fused_norm()
     return errors
 
 
@@ -239,9 +311,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "compiled-fused-op"])
 def test_tp2_matches_single_process(runs: dict[str, Any], name: str, mode: str) -> None:
-    """Same greedy tokens and sampled logits (1e-4) as one process, on every rank."""
+    """Same greedy tokens and sampled logits (1e-4) as one process, on every rank; also through
+    the fused all-reduce + RMSNorm op (its fallback: FlashInfer's kernel needs GPUs)."""
     ref = runs["ref"][name]
     assert ref["logits"][0].abs().max() > 1.0  # logits large enough for 1e-4 to mean something
     for rank, res in enumerate(runs["ranks"]):
@@ -250,8 +323,10 @@ def test_tp2_matches_single_process(runs: dict[str, Any], name: str, mode: str) 
         for i, (a, b) in enumerate(zip(got["logits"], ref["logits"])):
             assert a.shape == b.shape == (MAX_TOKENS, CASES[name].vocab_size)
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"rank {rank} {mode} req {i}: {m}")
-        if mode == "compiled":
+        if mode != "eager":
             assert got["graph_breaks"] == 0 and got["unique_graphs"] == 1, got
+        if mode == "compiled-fused-op":  # 2 per layer a step: the op ran, not the unfused path
+            assert got["op_calls"] >= 2 * CASES[name].num_hidden_layers * MAX_TOKENS, got["op_calls"]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -289,9 +364,10 @@ def assert_bf16_close_until_tie(got: dict[str, Any], ref: dict[str, Any], what: 
 def test_tp_nccl_bf16_matches_tp1_and_graphs_match_eager(tmp_path: Path, world: int) -> None:
     """2 and 4 GPUs, NCCL, bf16: TP=n gives TP=1's greedy tokens (up to near-ties); CUDA-graph
     replay (full decode graphs containing the all-reduces; eager and vattn.compile'd model; the
-    symmetric-memory one-shot and two-shot all-reduces where available) gives the eager TP=n run's
-    tokens and logits; the all-reduce op is exact on integer data for every algorithm, eagerly and
-    replayed, and ``auto`` picks one-shot for a decode token's message."""
+    symmetric-memory one-shot and two-shot all-reduces where available; FlashInfer's fused
+    all-reduce + RMSNorm where it is installed) gives the eager TP=n run's tokens and logits; the
+    all-reduce op is exact on integer data for every algorithm, eagerly and replayed, and ``auto``
+    picks one-shot for a decode token's message; the fused op matches a float32 reference."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs (device kind nvidia-h100-x{world} or nvidia-h200-x{world})")
     ref, ranks = launch(tmp_path, "cuda", world)
@@ -301,12 +377,20 @@ def test_tp_nccl_bf16_matches_tp1_and_graphs_match_eager(tmp_path: Path, world: 
             bad = {k: v for k, v in ops.items() if isinstance(v, float) and v != 0.0}
             assert not bad, f"rank {rank}: all-reduce errors {bad}"
             assert ops["chosen"]["(1, 4096)"] == "one_shot" and ops["chosen"]["(5, 136)"] == "one_shot", ops["chosen"]
+        fused = res["fused_ops"]
+        if fused["fused"]:  # bf16 outputs of float32 math: within a few bf16 ulps of the largest value
+            bad = {k: v for k, v in fused.items() if isinstance(v, float) and not v < 2e-2}
+            assert not bad, f"rank {rank}: fused all-reduce + RMSNorm errors {bad}"
     for name in CASES:
         for rank, res in enumerate(ranks):
             r = res[name]
             assert_bf16_close_until_tie(r["eager"], ref[name], f"{name} rank {rank}: TP={world} eager vs TP=1")
-            for how in ("cudagraph", "cudagraph-compiled", "one_shot", "two_shot"):
+            for how in ("cudagraph", "cudagraph-compiled", "one_shot", "two_shot", "fused cudagraph",
+                        "fused cudagraph-compiled"):
                 if how not in r:
+                    if how.startswith("fused"):
+                        assert not res["fused_ops"]["fused"], how
+                        continue  # no FlashInfer (or no P2P) here: the unfused path only
                     assert how in ("one_shot", "two_shot") and not res["ops"]["symm_mem"], how
                     continue  # no P2P / symmetric memory on this machine: NCCL only
                 assert "FULL" in r[how]["modes"], f"{name} {how}: no full-graph replay ({set(r[how]['modes'])})"
