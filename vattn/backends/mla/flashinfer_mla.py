@@ -159,7 +159,10 @@ class FlashInferMLAImpl(MLACommonImpl):
                         md: MLADecodeMetadata, layer: Any) -> torch.Tensor:
         lora = self.kv_lora_rank
         out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
-        md.plan.run(q_nope.contiguous(), q_pe.contiguous(), kv_cache[..., :lora], kv_cache[..., lora:], out=out)
+        # The kernel takes the queries' token and head strides: the absorbed q_nope (a transposed
+        # bmm output) and q_pe (a slice of the query) go in as views, without a copy each.
+        q_nope, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_nope, q_pe))
+        md.plan.run(q_nope, q_pe, kv_cache[..., :lora], kv_cache[..., lora:], out=out)
         return out
 
     def _prefill_attend(self, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
