@@ -293,6 +293,7 @@ def enable_fused_norm(group: dist.ProcessGroup, max_tokens: int, hidden_size: in
     if pdl is None:
         pdl = torch.cuda.get_device_capability(device)[0] >= 9
     patterns = trtllm_ar.AllReduceFusionPattern
+    disable_fused_norm(name)  # a workspace enabled before is retired (released with the others)
     _FUSED[name] = FusedNormAllReduce(
         workspace, handles, dist.get_rank(group), world, max_tokens, hidden_size, dtype, torch.device(device), pdl,
         inspect.unwrap(trtllm_ar.trtllm_allreduce_fusion), (int(patterns.kAllReduce), int(patterns.kARResidualRMSNorm)))

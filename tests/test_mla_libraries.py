@@ -71,7 +71,8 @@ class _FakeMLAWrapper:
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):  # type: ignore[no-untyped-def]
         kw = self.kw
         assert ckv_cache.shape[1:] == (kw["page_size"], kw["ckv"]) and kpe_cache.shape[1:] == (kw["page_size"], kw["kpe"])
-        assert q_nope.shape[1:] == (kw["num_heads"], kw["ckv"]) and q_nope.is_contiguous() and q_pe.is_contiguous()
+        # FlashInfer's kernel takes the queries' token and head strides; the last dim must be dense
+        assert q_nope.shape[1:] == (kw["num_heads"], kw["ckv"]) and q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
         qo, kvp, idx, kvl = (t.cpu().long() for t in (self.qo, self.kvp, self.idx, self.kvl))
         assert out is not None and out.shape == q_nope.shape and int(qo[-1]) <= q_nope.shape[0]
         for r in range(qo.numel() - 1):

@@ -459,6 +459,51 @@ def test_all_reduce_names_a_wrong_algorithm() -> None:
         "one_shot", "one_shot", "two_shot", "two_shot", "nccl"]
 
 
+def test_fused_norm_hands_flashinfer_its_buffers() -> None:
+    """``FusedNormAllReduce`` calls FlashInfer's ``trtllm_allreduce_fusion`` with the arguments it
+    takes (a stand-in with its keyword signature, one rank: the sum is ``x``) and returns what the
+    kernel wrote: the fused op's (normed, summed) and ``all_reduce("auto")``'s sum for messages that
+    fit; shapes, dtypes and sizes it does not serve are declined. Also opcheck of the fused op."""
+    from examples import allreduce
+
+    patterns: list[int] = []
+
+    def run(*, allreduce_in: torch.Tensor, world_size: int, world_rank: int, token_num: int, hidden_dim: int,
+            workspace_ptrs: torch.Tensor, launch_with_pdl: bool, trigger_completion_at_end: bool, fp32_acc: bool,
+            pattern_code: int, use_oneshot: bool | None, allreduce_out: torch.Tensor | None,
+            residual_in: torch.Tensor | None, residual_out: torch.Tensor | None, norm_out: torch.Tensor | None,
+            quant_out: None, scale_out: None, rms_gamma: torch.Tensor | None, rms_eps: float | None,
+            scale_factor: None, layout_code: None, metadata: dict | None = None,
+            block_quant_group_size: int | None = None, weight_bias: float | None = None) -> None:
+        assert (world_size, world_rank, hidden_dim, token_num) == (1, 0, 16, allreduce_in.shape[0])
+        patterns.append(pattern_code)
+        if pattern_code == 0:
+            allreduce_out.copy_(allreduce_in)
+            return
+        s = allreduce_in.float() + residual_in.float()
+        residual_out.copy_(s)
+        norm_out.copy_(rms_gamma.float() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + rms_eps))
+
+    state = allreduce.FusedNormAllReduce(torch.zeros(1, dtype=torch.int64), None, 0, 1, 8, 16, torch.float32,
+                                         torch.device("cpu"), False, run, (0, 1))
+    name = "test-fused-norm"
+    allreduce._FUSED[name] = state
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, res, w = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g), torch.rand(16, generator=g) + 0.5
+        normed, summed = torch.ops.vattn_examples.all_reduce_add_rms_norm(x, res, w, 1e-6, name)
+        torch.testing.assert_close(summed, x + res)
+        torch.testing.assert_close(normed, allreduce.rms_norm(x + res, w, 1e-6))
+        assert torch.equal(torch.ops.vattn_examples.all_reduce(x, name, "auto"), x)
+        assert patterns == [1, 0]
+        assert not state.serves(torch.randn(9, 16), torch.randn(9, 16), w)  # past max_tokens
+        assert not state.serves(x.double(), res.double(), w.double())  # not the workspace's dtype
+        assert not state.serves(x, res[:4], w) and not state.fits(torch.randn(5, 8))
+        torch.library.opcheck(torch.ops.vattn_examples.all_reduce_add_rms_norm.default, (x, res, w, 1e-6, name))
+    finally:
+        allreduce._FUSED.pop(name)
+
+
 def test_shard_without_group_cannot_run() -> None:
     with vattn.set_current_vattn_config(vattn.VattnConfig()):
         model = DecoderForCausalLM(ModelConfig(), tp=TensorParallel(1, 2, None))
