@@ -111,3 +111,27 @@ def test_cuda_tree_step_compiled() -> None:
     want = explicit_reference(batch, impl.scale, tree_allowed(batch.spec.context_lens, parents))
     assert_close(out[: batch.num_actual_tokens], want, torch.bfloat16, factor=2.0)
     check_block_masks(md, impl.mask_spec)
+
+
+def test_graph_metadata_of_triton_only_groups_is_persistent() -> None:
+    """A group whose layers TRITON_ATTN serves skips FlexAttention's half; every tensor its
+    metadata carries must still be the buffer a CUDA graph captured (the runner checks the
+    addresses at the first replay), the slot mapping included. Builder level, no kernel runs."""
+    import dataclasses
+
+    from test_flex_attention import flex_model
+
+    _, _, kv = flex_model(2, attn_backend=TreeAttentionBackend)
+    builder = kv.groups[0].builder
+    builder.use_triton = builder._triton().use_persistent_buffers = True  # as on CUDA
+
+    def tensors(md: object) -> dict[str, int]:
+        return {f.name: getattr(md, f.name).data_ptr() for f in dataclasses.fields(md)
+                if isinstance(getattr(md, f.name), torch.Tensor)}
+
+    captured = kv.build_metadata_for_cudagraph_capture(kv.common_metadata([1, 1], [7, 20], [[0, 1], [2, 3]]))
+    md = captured["layers.0.attn"]
+    assert md.flex_skipped and md.triton is not None
+    step = kv.build_metadata(kv.common_metadata([1, 1], [9, 3], [[4, 5], [6, 7]]))["layers.0.attn"]
+    assert step.flex_skipped and tensors(step) == tensors(md) and "slot_mapping" in tensors(md)
+    assert step.slot_mapping.tolist() == [4 * 16 + 9, 6 * 16 + 3]

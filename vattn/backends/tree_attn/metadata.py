@@ -65,8 +65,11 @@ class TreeAttentionMetadataBuilder(FlexAttentionMetadataBuilder):
                   flex: FlexAttentionMetadata | None) -> TreeAttentionMetadata:
         skipped = flex is None
         if flex is None:
+            # Triton's slot_mapping: the same slots, in its persistent buffer when building for a
+            # CUDA graph (the step's own tensor would differ from the one a graph captured).
+            slots = cm.slot_mapping if triton is None else triton.slot_mapping
             flex = FlexAttentionMetadata(
-                num_actual_tokens=cm.num_actual_tokens, num_reqs=cm.num_reqs, slot_mapping=cm.slot_mapping,
+                num_actual_tokens=cm.num_actual_tokens, num_reqs=cm.num_reqs, slot_mapping=slots,
                 causal=cm.causal, block_size=self.kv_cache_spec.block_size, num_cache_blocks=0, kv_width=1, calls=[])
         return TreeAttentionMetadata(**{f.name: getattr(flex, f.name) for f in dataclasses.fields(flex)},
                                      triton=triton, flex_skipped=skipped)
