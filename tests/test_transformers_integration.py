@@ -138,6 +138,17 @@ def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
     assert compiled.backend.counter.num_graphs_seen == 1 and counters["stats"]["unique_graphs"] == 1
     assert len({s.num_prefill_tokens + s.num_decode_tokens for s in stats}) > 3  # many different T
     assert_matches_reference(family, engine, reqs)
+    # wrap packed the bias-free q/k/v and gate/up weights; compiled, each packed group is one GEMM
+    assert (compiled.backend.counter.num_packed_linear_groups > 0) == (packed_groups(model.hf_model) > 0)
+
+
+def packed_groups(model: torch.nn.Module) -> int:
+    """Groups of q/k/v or gate/up projections whose weights share one packed buffer."""
+    from vattn.compile_passes.packed_linears import packed_rows
+
+    groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    return sum(all(hasattr(m, n) for n in names) and packed_rows([getattr(m, n).weight for n in names])
+               for m in model.modules() for names in groups)
 
 
 # ---- what the adapter builds -------------------------------------------------------------------------

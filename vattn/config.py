@@ -115,6 +115,10 @@ class CompilationConfig:
             the general code); it edits ``graph`` in place and returns how many rewrites it
             made. This is how a model routes its own kernels into compiled code, e.g.
             ``examples.gemv.OneTokenGemv()`` for batch-1 linear layers.
+        merge_packed_linears: after the piece passes, run the bias-free linear layers of one
+            input whose weights are consecutive rows of one buffer (q / k / v, gate / up of a
+            transformers model after ``vattn.integrations.transformers.wrap``, which packs them)
+            as one GEMM (``vattn.compile_passes.packed_linears``).
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``. On sm_90+ GPUs the pieces
             compile with Inductor's programmatic dependent launch on (``triton.enable_pdl``:
@@ -144,6 +148,7 @@ class CompilationConfig:
     use_inductor: bool = True
     compile_sizes: tuple[int, ...] = ()
     piece_passes: tuple[Callable[..., int], ...] = field(default=(), compare=False)
+    merge_packed_linears: bool = True
     inductor_compile_config: dict[str, Any] = field(default_factory=dict, compare=False)
     debug_dump_path: str | None = None
     cache_dir: str | None = None

@@ -5,9 +5,10 @@ Dynamo traces the whole model (``fullgraph=True``). ``VattnBackend`` then:
 1. splits the FX graph at the splitting ops (``CompilationConfig.splitting_ops``, by default
    the two ``vattn::unified_attention*`` ops; ``split.py``), so each attention op is alone in
    its own submodule and the rest forms *pieces* between them;
-2. runs ``CompilationConfig.piece_passes`` on each piece's graph, then compiles it with
-   Inductor (``inductor.py``), with vattn's ``PostGradPassManager`` installed as
-   ``post_grad_custom_post_pass`` for that compile only;
+2. runs ``CompilationConfig.piece_passes`` on each piece's graph, folds linear layers of one
+   input whose weights are packed in one buffer into one GEMM (``packed_linears.py``), then
+   compiles it with Inductor (``inductor.py``), with vattn's ``PostGradPassManager``
+   installed as ``post_grad_custom_post_pass`` for that compile only;
 3. compiles identical pieces once (``pieces.py``): every decoder layer's piece is the same
    graph, so a model of N layers compiles about 3 pieces (first, middle, last), whatever N;
 4. for ``CompilationConfig.compile_sizes`` (vLLM's name), compiles each distinct piece once
@@ -27,6 +28,7 @@ Counters: ``VattnBackend.counter`` (per backend) and ``compilation_counter`` (pr
 | num_inductor_compiles | pieces actually compiled (distinct graphs) |
 | num_piece_reuses | pieces that reused an identical piece's compiled code |
 | num_static_compiles | compiles for one exact token count (``compile_sizes``; lazily, per distinct piece) |
+| num_packed_linear_groups | linear layers of one input over one packed weight, made one GEMM (``packed_linears.py``; per compiled piece) |
 | compile_seconds | wall time spent compiling pieces |
 """
 
@@ -42,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from vattn.compile_passes import packed_linears
 from vattn.compile_passes.aot_cache import SerializableSplitModule
 from vattn.compile_passes.inductor import compile_with_inductor, shape_guards_suppressed
 from vattn.compile_passes.pass_manager import PostGradPassManager
@@ -65,6 +68,7 @@ class CompilationCounter:
     num_inductor_compiles: int = 0
     num_piece_reuses: int = 0
     num_static_compiles: int = 0
+    num_packed_linear_groups: int = 0
     compile_seconds: float = 0.0
 
     def snapshot(self) -> "CompilationCounter":
@@ -124,6 +128,8 @@ class VattnBackend:
         return self._pass_manager
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if self.config.compilation.merge_packed_linears:
+            packed_linears.mark(gm, example_inputs)  # before a capture is saved, so the file keeps the tags
         if self.serializable:  # compiled later, as a loaded trace is (aot_cache.compile_and_save)
             self.captured = SerializableSplitModule(gm, None, self.splitting_ops)
             return self.captured
@@ -131,6 +137,8 @@ class VattnBackend:
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
         """Split ``gm`` at the splitting ops and compile its pieces; returns the split module."""
+        if self.config.compilation.merge_packed_linears:
+            packed_linears.mark(gm, example_inputs)  # a no-op on a graph tagged before (a loaded trace)
         split_gm, items = split_graph(gm, self.splitting_ops)
         n_split = sum(i.is_splitting for i in items)
         bump(self.counter, num_graphs_seen=1, num_pieces=len(items) - n_split, num_splitting_ops=n_split)
@@ -214,8 +222,13 @@ class VattnBackend:
         return fn
 
     def _run_piece_passes(self, graph: fx.GraphModule, example_inputs: Sequence[Any], num_tokens: int | None) -> None:
-        """``CompilationConfig.piece_passes`` on ``graph`` (in place), in order."""
+        """``CompilationConfig.piece_passes`` on ``graph`` (in place), in order, then the packed
+        linears' rewrite (``packed_linears.py``) where ``merge_packed_linears`` is on."""
         for piece_pass in self.config.compilation.piece_passes:
             n = piece_pass(graph, example_inputs, num_tokens)
             logger.debug("vattn.compile: piece pass %s rewrote %s nodes (num_tokens=%s)",
                          getattr(piece_pass, "__name__", type(piece_pass).__name__), n, num_tokens)
+        if self.config.compilation.merge_packed_linears:
+            n = packed_linears.rewrite(graph, example_inputs)
+            bump(self.counter, num_packed_linear_groups=n)
+            logger.debug("vattn.compile: %d packed linear groups (num_tokens=%s)", n, num_tokens)

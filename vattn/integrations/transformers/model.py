@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import vattn
+from vattn.compile_passes.packed_linears import pack_linear_weights
 from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
 from vattn.layer import Attention
 
@@ -195,8 +196,11 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     Changes ``model`` in place: every attention module gets a ``vattn.Attention`` at
     ``module.attn`` (layer name ``prefix + "<module path>.attn"``, e.g. ``"model.layers.3.self_attn.attn"``)
     built from the model's own config and modules (``layers.py``), its attention
-    implementation becomes "vattn", and it is put in eval mode. Then allocate the cache with
-    ``vattn.allocate_kv_cache(vattn_config, ...)``.
+    implementation becomes "vattn", and it is put in eval mode. The bias-free ``q_proj`` /
+    ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` of each module get one weight buffer
+    each (the parameters become consecutive row views of it, values unchanged), which
+    ``vattn.compile`` runs as one GEMM (``vattn.compile_passes.packed_linears``). Then allocate
+    the cache with ``vattn.allocate_kv_cache(vattn_config, ...)``.
 
     Args:
         model: a transformers ``PreTrainedModel`` with an LM head, on its device and in its dtype.
@@ -246,6 +250,7 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         raise
     for (_, module), layer in zip(found, layers):
         module.attn = layer
+    pack_linear_weights(model)
     model.eval()
     return VattnCausalLM(model, vattn_config, tuple(specs), decoder_path, head_name)
 

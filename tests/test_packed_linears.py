@@ -1,0 +1,177 @@
+"""``vattn.compile_passes.packed_linears``: weights packed into one buffer, the op that runs them as
+one GEMM (and checks the packing on every call), and the piece rewrite that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from test_compile import NH, NKV, TinyLayer
+from vattn.compile_passes import packed_linears
+from vattn.compile_passes.packed_linears import pack_linear_weights, packed_rows
+
+
+class Block(nn.Module):
+    """A decoder layer's projections as transformers writes them: separate q / k / v of one
+    input, separate gate / up of another, each output viewed as heads."""
+
+    def __init__(self, hidden: int = 32, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, 32, bias=bias)
+        self.k_proj = nn.Linear(hidden, 16, bias=bias)
+        self.v_proj = nn.Linear(hidden, 16, bias=bias)
+        self.gate_proj = nn.Linear(hidden, 48, bias=False)
+        self.up_proj = nn.Linear(hidden, 48, bias=False)
+        self.down_proj = nn.Linear(48, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[:-1]
+        q = self.q_proj(x).view(*t, 4, 8)
+        k = self.k_proj(x).view(*t, 2, 8)
+        v = self.v_proj(x).view(*t, 2, 8)
+        a = (q[..., :2, :] * k + v).flatten(-2).sum(-1, keepdim=True)
+        h = x + a
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def test_pack_keeps_values_and_leaves_what_it_cannot_pack() -> None:
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(5, 32)
+    want = block(x)
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    assert pack_linear_weights(block) == 2
+    assert packed_rows([block.q_proj.weight, block.k_proj.weight, block.v_proj.weight])
+    assert packed_rows([block.gate_proj.weight, block.up_proj.weight])
+    assert all(torch.equal(p, before[n]) for n, p in block.named_parameters())
+    torch.testing.assert_close(block(x), want, atol=0, rtol=0)
+    assert pack_linear_weights(block) == 0  # packed already
+
+    biased = Block(bias=True)
+    assert pack_linear_weights(biased) == 1  # gate / up only: q / k / v have biases
+    assert not packed_rows([biased.q_proj.weight, biased.k_proj.weight, biased.v_proj.weight])
+    tied = Block()
+    tied.up_proj.weight = tied.gate_proj.weight  # shared with another module: not repacked
+    assert pack_linear_weights(tied) == 1 and tied.up_proj.weight is tied.gate_proj.weight
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+def test_op_matches_separate_linears(packed: bool) -> None:
+    torch.manual_seed(1)
+    block = Block()
+    if packed:
+        pack_linear_weights(block)
+    ws = [block.q_proj.weight, block.k_proj.weight, block.v_proj.weight]
+    x = torch.randn(2, 3, 32)
+    got = torch.ops.vattn.packed_linear(x, ws)
+    torch.testing.assert_close(got, torch.cat([F.linear(x, w) for w in ws], -1))
+    assert packed_rows(ws) == packed
+    torch.library.opcheck(torch.ops.vattn.packed_linear.default, (x, ws))
+    # gradients: those of the separate linears
+    x.requires_grad_(True)
+    r = torch.randn_like(got)
+    grads = torch.autograd.grad((torch.ops.vattn.packed_linear(x, ws) * r).sum(), [x, *ws])
+    want = torch.autograd.grad((torch.cat([F.linear(x, w) for w in ws], -1) * r).sum(), [x, *ws])
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_rows_out_of_order_or_past_the_storage_are_not_packed() -> None:
+    buf = torch.randn(10, 4)
+    assert packed_rows([buf[0:3], buf[3:10]])
+    assert not packed_rows([buf[3:10], buf[0:3]])
+    assert not packed_rows([buf[0:3], buf[4:10]])  # a gap
+    assert not packed_rows([buf[0:3, :2], buf[3:10, :2]])  # not full rows
+    assert not packed_rows([buf[0:3], torch.randn(7, 4)])
+
+
+def test_compiled_rewrite_one_gemm_per_packed_group() -> None:
+    import vattn
+    from vattn.compile_passes.backend import VattnBackend
+
+    torch.manual_seed(2)
+    block = Block()
+    pack_linear_weights(block)
+    x = torch.randn(6, 32)
+    backend = VattnBackend(vattn.VattnConfig(compilation=vattn.CompilationConfig(use_inductor=False)))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), block(x))
+    assert backend.counter.num_packed_linear_groups == 2
+    code = "\n".join(m.code for m in backend.split_gm.modules() if isinstance(m, torch.fx.GraphModule))
+    assert code.count("vattn.packed_linear") == 2 and "torch._C._nn.linear" in code  # down_proj stays
+
+    # the weights unpacked after the compile: the op sees it and runs the linears one by one
+    for m in (block.q_proj, block.k_proj, block.v_proj):
+        m.weight = nn.Parameter(m.weight.detach().clone())
+    torch.testing.assert_close(compiled(x), block(x))
+
+
+def test_rewrite_is_off_when_the_config_says_so() -> None:
+    import vattn
+    from vattn.compile_passes.backend import VattnBackend
+
+    block = Block()
+    pack_linear_weights(block)
+    cc = vattn.CompilationConfig(use_inductor=False, merge_packed_linears=False)
+    backend = VattnBackend(vattn.VattnConfig(compilation=cc))
+    torch._dynamo.reset()
+    torch.compile(block, backend=backend, fullgraph=True)(torch.randn(3, 32))
+    assert backend.counter.num_packed_linear_groups == 0
+    assert packed_linears.rewrite.__doc__
+
+
+def _split_qkv(model: nn.Module) -> None:
+    """test_compile's TinyModel with separate q / k / v projections (transformers' layout), packed."""
+    for layer in model.layers:
+        w = layer.qkv.weight.detach()
+        d = layer.d
+        for name, rows in zip(("q_proj", "k_proj", "v_proj"), w.split([NH * d, NKV * d, NKV * d])):
+            proj = nn.Linear(w.shape[1], rows.shape[0], bias=False)
+            proj.weight = nn.Parameter(rows.clone())
+            setattr(layer, name, proj)
+        del layer.qkv
+        layer.__class__ = SplitTinyLayer
+    assert pack_linear_weights(model) == len(model.layers)
+
+
+class SplitTinyLayer(TinyLayer):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.d
+        rot = torch.cos(positions[:, None].to(x.dtype) * 0.1)[:, None]
+        h = self.norm1(x)
+        q = self.q_proj(h).view(t, NH, d)
+        k = self.k_proj(h).view(t, NKV, d)
+        attn = self.attn(q * rot, k * rot, self.v_proj(h).view(t, NKV, d))
+        x = x + self.o(attn)
+        return x + self.down(F.silu(self.up(self.norm2(x))))
+
+
+def test_groups_survive_a_saved_trace(tmp_path) -> None:
+    """A second start loads Dynamo's trace from ``cache_dir``: the groups tagged at the first
+    capture are one GEMM each again, and both starts compute what the eager model does."""
+    import vattn
+    from test_compile import Batches, build, run
+    from vattn.compile_passes import aot_cache
+
+    if aot_cache.aot_supported() is not None:
+        pytest.skip(f"{aot_cache.aot_supported()}: cache_dir is ignored on this torch")
+    outs, starts = [], []
+    for _ in range(2):
+        model, cfg, kv = build(2, cache_dir=str(tmp_path), use_inductor=False)
+        _split_qkv(model)
+        compiled = vattn.compile(model, cfg)
+        batches = Batches(kv, seed=5)
+        outs.append([run(compiled, cfg, kv, *batches.step()) for _ in range(4)])
+        starts.append(compiled)
+    assert not starts[0].trace_loaded and starts[1].trace_loaded
+    assert [c.backend.counter.num_packed_linear_groups for c in starts] == [2, 2]  # first layer, then the shared one
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    eager, cfg, kv = build(2)
+    _split_qkv(eager)
+    batches = Batches(kv, seed=5)
+    for got in outs[1]:
+        torch.testing.assert_close(got, run(eager, cfg, kv, *batches.step()), atol=1e-5, rtol=1e-5)
