@@ -42,12 +42,16 @@ def test_pack_keeps_values_and_leaves_what_it_cannot_pack() -> None:
     x = torch.randn(5, 32)
     want = block(x)
     before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    params = dict(block.named_parameters())
     assert pack_linear_weights(block) == 2
+    assert all(p is params[n] for n, p in block.named_parameters())  # the same Parameter objects
     assert packed_rows([block.q_proj.weight, block.k_proj.weight, block.v_proj.weight])
     assert packed_rows([block.gate_proj.weight, block.up_proj.weight])
     assert all(torch.equal(p, before[n]) for n, p in block.named_parameters())
     torch.testing.assert_close(block(x), want, atol=0, rtol=0)
     assert pack_linear_weights(block) == 0  # packed already
+    block.load_state_dict({n: torch.randn_like(p) for n, p in block.state_dict().items()})  # in place: still packed
+    assert packed_rows([block.q_proj.weight, block.k_proj.weight, block.v_proj.weight])
 
     biased = Block(bias=True)
     assert pack_linear_weights(biased) == 1  # gate / up only: q / k / v have biases

@@ -142,6 +142,21 @@ def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
     assert (compiled.backend.counter.num_packed_linear_groups > 0) == (packed_groups(model.hf_model) > 0)
 
 
+def test_wrap_packs_projections_in_place_unless_told_not_to() -> None:
+    """The packed parameters are the model's own Parameter objects (an optimizer or a weight-sync
+    map taken before ``wrap`` still reaches them); ``pack_projections=False`` leaves them alone."""
+    model = hf_model("llama")
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK))
+    wrapped_model = vt.wrap(model, cfg)
+    assert packed_groups(model) == 2 * model.config.num_hidden_layers
+    assert all(p is params[n] and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert wrapped_model.hf_model is model
+    plain, _, _ = wrapped("llama", pack_projections=False)
+    assert packed_groups(plain.hf_model) == 0
+
+
 def packed_groups(model: torch.nn.Module) -> int:
     """Groups of q/k/v or gate/up projections whose weights share one packed buffer."""
     from vattn.compile_passes.packed_linears import packed_rows

@@ -205,8 +205,10 @@ def pack_linear_weights(module: nn.Module, groups: Sequence[Sequence[str]] = (("
                                                                           ("gate_proj", "up_proj"))) -> int:
     """Give every submodule's bias-free ``nn.Linear`` children named in one of ``groups`` one
     weight buffer: their weights become consecutive row blocks of it, in the group's order
-    (values, dtypes, devices and ``requires_grad`` unchanged), which ``rewrite`` runs as one
-    GEMM. A group is left as it is where a member is missing, has a bias, differs in input
+    (the same ``Parameter`` objects, their ``.data`` swapped: values, dtypes, devices and
+    ``requires_grad`` unchanged), which ``rewrite`` runs as one GEMM. In-place updates
+    (``load_state_dict``, ``copy_``) keep the packing; assigning a new ``Parameter`` or
+    moving the module to another device or dtype undoes it (then each runs on its own). A group is left as it is where a member is missing, has a bias, differs in input
     width, dtype or device, or shares its weight with another parameter (tied). Returns the
     groups packed."""
     owners: dict[Any, int] = {}
@@ -228,10 +230,9 @@ def pack_linear_weights(module: nn.Module, groups: Sequence[Sequence[str]] = (("
             with torch.no_grad():
                 buffer = torch.cat([w.detach() for w in ws])
             start = 0
-            for m, w in zip(linears, ws):
-                n = w.shape[0]
-                m.weight = nn.Parameter(buffer[start:start + n], requires_grad=w.requires_grad)
-                start += n
+            for w in ws:  # the same Parameter objects (optimizers, weight-sync maps keep working)
+                w.data = buffer[start:start + w.shape[0]]
+                start += w.shape[0]
             packed += 1
     if packed:
         logger.debug("pack_linear_weights: %d groups packed", packed)

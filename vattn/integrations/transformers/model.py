@@ -190,23 +190,25 @@ def _build_layers(specs: list[LayerSpec], vattn_config: vattn.VattnConfig, dtype
 
 
 def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any = None,
-         prefix: str = "") -> VattnCausalLM:
+         prefix: str = "", pack_projections: bool = True) -> VattnCausalLM:
     """Run a transformers causal LM (``*ForCausalLM``) on vattn; returns a ``VattnCausalLM``.
 
     Changes ``model`` in place: every attention module gets a ``vattn.Attention`` at
     ``module.attn`` (layer name ``prefix + "<module path>.attn"``, e.g. ``"model.layers.3.self_attn.attn"``)
     built from the model's own config and modules (``layers.py``), its attention
-    implementation becomes "vattn", and it is put in eval mode. The bias-free ``q_proj`` /
-    ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` of each module get one weight buffer
-    each (the parameters become consecutive row views of it, values unchanged), which
-    ``vattn.compile`` runs as one GEMM (``vattn.compile_passes.packed_linears``). Then allocate
-    the cache with ``vattn.allocate_kv_cache(vattn_config, ...)``.
+    implementation becomes "vattn", and it is put in eval mode. With ``pack_projections``, the
+    bias-free ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` of each module
+    get one weight buffer each (the same parameters, now consecutive row views of it; values
+    unchanged), which ``vattn.compile`` runs as one GEMM
+    (``vattn.compile_passes.packed_linears``). Then allocate the cache with
+    ``vattn.allocate_kv_cache(vattn_config, ...)``.
 
     Args:
         model: a transformers ``PreTrainedModel`` with an LM head, on its device and in its dtype.
         vattn_config: the config the layers register into (block size, cache dtype, compilation).
         attn_backend: force a vattn backend (class or name) for every layer; default: vattn's selector.
         prefix: put before every layer name, e.g. ``"draft."`` for a second model in the same config.
+        pack_projections: pack the projections of one input as above (off: leave the weights as they are).
 
     Mixture-of-experts models compile (``vattn.compile``) only with an experts implementation
     that does not loop over the experts a batch hits: on transformers 5 choose one with
@@ -250,7 +252,8 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         raise
     for (_, module), layer in zip(found, layers):
         module.attn = layer
-    pack_linear_weights(model)
+    if pack_projections:
+        pack_linear_weights(model)
     model.eval()
     return VattnCausalLM(model, vattn_config, tuple(specs), decoder_path, head_name)
 
