@@ -206,11 +206,13 @@ def pack_linear_weights(module: nn.Module, groups: Sequence[Sequence[str]] = (("
     """Give every submodule's bias-free ``nn.Linear`` children named in one of ``groups`` one
     weight buffer: their weights become consecutive row blocks of it, in the group's order
     (the same ``Parameter`` objects, their ``.data`` swapped: values, dtypes, devices and
-    ``requires_grad`` unchanged), which ``rewrite`` runs as one GEMM. In-place updates
-    (``load_state_dict``, ``copy_``) keep the packing; assigning a new ``Parameter`` or
-    moving the module to another device or dtype undoes it (then each runs on its own). A group is left as it is where a member is missing, has a bias, differs in input
-    width, dtype or device, or shares its weight with another parameter (tied). Returns the
-    groups packed."""
+    ``requires_grad`` unchanged), which ``rewrite`` runs as one GEMM.
+
+    In-place updates (``load_state_dict``, ``copy_``) keep the packing; assigning a new
+    ``Parameter``, or moving the module to another device or dtype, undoes it (each linear
+    then runs on its own). A group is left as it is where a member is missing, has a bias,
+    differs in input width, dtype or device, or shares its weight with another parameter
+    (tied). Returns the groups packed."""
     owners: dict[Any, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         key = (p.device, p.untyped_storage().data_ptr()) if p.device.type != "meta" else id(p)
