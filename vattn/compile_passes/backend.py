@@ -129,7 +129,7 @@ class VattnBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if self.config.compilation.merge_packed_linears:
-            packed_linears.mark(gm, example_inputs)  # before a capture is saved, so the file keeps the tags
+            packed_linears.mark(gm, example_inputs)  # before a capture is saved: a loaded trace has the tags
         if self.serializable:  # compiled later, as a loaded trace is (aot_cache.compile_and_save)
             self.captured = SerializableSplitModule(gm, None, self.splitting_ops)
             return self.captured
@@ -137,8 +137,6 @@ class VattnBackend:
 
     def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
         """Split ``gm`` at the splitting ops and compile its pieces; returns the split module."""
-        if self.config.compilation.merge_packed_linears:
-            packed_linears.mark(gm, example_inputs)  # a no-op on a graph tagged before (a loaded trace)
         split_gm, items = split_graph(gm, self.splitting_ops)
         n_split = sum(i.is_splitting for i in items)
         bump(self.counter, num_graphs_seen=1, num_pieces=len(items) - n_split, num_splitting_ops=n_split)

@@ -127,11 +127,10 @@ def _value(node: fx.Node, inputs: dict[fx.Node, Any]) -> torch.Tensor | None:
 
 def mark(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Tag the bias-free linears of one input whose weights are consecutive rows of one storage
-    (``packed_rows`` on the example inputs, real or Dynamo's fakes) with ``MARK``; a graph
-    tagged before (a loaded trace) is left as it is. Returns the groups tagged."""
+    (``packed_rows`` on the example inputs, real or Dynamo's fakes) with ``MARK``; run on each
+    graph Dynamo hands the backend (a loaded trace keeps the tags it was saved with). Returns
+    the groups tagged."""
     graph = gm.graph
-    if any(MARK in n.meta for n in graph.nodes):
-        return 0
     inputs = dict(zip((n for n in graph.nodes if n.op == "placeholder"), example_inputs))
     by_storage: dict[tuple[fx.Node, Any], list[tuple[fx.Node, torch.Tensor]]] = {}
     for node in graph.nodes:
