@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import vattn  # noqa: E402
 from benchmarks import common, roofline  # noqa: E402
 from benchmarks.bench_e2e import VattnImpls, hf_decode, say  # noqa: E402
-from examples.gemv import OneTokenGemv  # noqa: E402
+from examples.gemv import OneTokenGemv, gemv_lm_head  # noqa: E402
 from examples.hf_model import FAMILIES, SHAPES, random_model, shape_config, tiny_config  # noqa: E402
 from examples.model import DecoderForCausalLM  # noqa: E402
 
@@ -145,6 +145,7 @@ class ModelBench:
         cfg = self._config(args)
         with vattn.global_force_attn_backend_context_manager(args.backend):
             self.model = vt.wrap(copy.deepcopy(self.hf), cfg)
+        gemv_lm_head(self.model)  # a 1-row LM head on the GEMV, as the example model's
         self.kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)
         self.impls = VattnImpls(self.model, cfg, self.kv, args, self.max_model_len, report)
         self.example = None

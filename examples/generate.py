@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 import vattn
 from examples.engine import Engine, SamplingParams
-from examples.gemv import OneTokenGemv
+from examples.gemv import OneTokenGemv, gemv_lm_head
 from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_weights
 from examples.tp import TensorParallel, tensor_parallel_run
 
@@ -219,6 +219,7 @@ def build_hf(args: argparse.Namespace) -> tuple[Any, vattn.VattnConfig, Any, Any
         transformers.utils.logging.disable_progress_bar()
     with vattn.global_force_attn_backend_context_manager(args.backend):
         model = vt.from_pretrained(args.hf, cfg, dtype=dtype, device=device, local_files_only=True)
+    gemv_lm_head(model)  # one-row LM heads on the example GEMV, as examples/model.py's
     per_req = -(-(args.prompt_len + args.output_len) // args.block_size)
     num_blocks = args.num_blocks or per_req * min(args.num_requests, args.max_num_seqs) + per_req
     kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)

@@ -131,22 +131,28 @@ def test_kernel_separate_up_matches_the_concatenated_input(with_residual: bool) 
 @pytest.mark.parametrize("ns, rope_segs", [((48, 16, 16), 2), ((40, 24), 0), ((16, 32, 8), 0), ((32, 16), 1)])
 def test_kernel_group_matches_one_gemv_each(ns: tuple[int, ...], rope_segs: int) -> None:
     """2 or 3 projections of one input in one launch (RMSNorm on the input, RoPE on every head
-    of the first ``rope_segs``): the same bits as one ``launch_gemv`` each."""
+    of the first ``rope_segs``), into column blocks of one output as ``gemv_group`` passes them:
+    the same bits as one ``launch_gemv`` each, and as one ``launch_gemv`` over the weights
+    stacked (what ``gemv_group`` runs for packed weights, RoPE on the leading columns)."""
     g = torch.Generator().manual_seed(sum(ns))
     k = 100
     x = (3 * torch.randn(1, k, generator=g)).to(DEV, torch.bfloat16)
     nw = (1 + torch.randn(k, generator=g) / 4).to(DEV, torch.bfloat16)
     ws = [torch.randn(n, k, generator=g).to(DEV, torch.bfloat16) for n in ns]
     cos, sin = (t.to(DEV) for t in _rope_tables(8, torch.bfloat16, g))
-    outs = [torch.full((1, n), 7.0, device=DEV, dtype=torch.bfloat16) for n in ns]
+    out = torch.full((1, sum(ns)), 7.0, device=DEV, dtype=torch.bfloat16)
     rope = dict(rope_cos=cos, rope_sin=sin) if rope_segs else {}
-    triton_gemv.launch_gemv_group(x, ws, outs, norm_weight=nw, eps=1e-5, rope_segs=rope_segs, **rope,
+    triton_gemv.launch_gemv_group(x, ws, out.split(ns, -1), norm_weight=nw, eps=1e-5, rope_segs=rope_segs, **rope,
                                   block_n=4, block_k=32, num_warps=4)
-    for i, (w, out) in enumerate(zip(ws, outs)):
+    for i, (w, got) in enumerate(zip(ws, out.split(ns, -1))):
         want = torch.empty(1, w.shape[0], device=DEV, dtype=torch.bfloat16)
         extra = dict(rope, rope_cols=w.shape[0]) if i < rope_segs else {}
         triton_gemv.launch_gemv(x, w, want, norm_weight=nw, eps=1e-5, block_n=4, block_k=32, num_warps=4, **extra)
-        assert torch.equal(out, want), f"projection {i}"
+        assert torch.equal(got, want), f"projection {i}"
+    stacked = torch.full((1, sum(ns)), 7.0, device=DEV, dtype=torch.bfloat16)
+    triton_gemv.launch_gemv(x, torch.cat(ws), stacked, norm_weight=nw, eps=1e-5, rope_cols=sum(ns[:rope_segs]),
+                            block_n=4, block_k=32, num_warps=4, **rope)
+    assert torch.equal(stacked, out)
 
 
 def test_op_group_fallback_and_opcheck() -> None:
@@ -158,7 +164,8 @@ def test_op_group_fallback_and_opcheck() -> None:
     nw = torch.randn(24, generator=g).bfloat16()
     cos, sin = (t.view(1, 1, 1, 16) for t in _rope_tables(16, torch.bfloat16, g))
     got = torch.ops.vattn_examples.gemv_group(x, ws, nw, 1e-5, cos, sin, 2, False)
-    for i, (w, out) in enumerate(zip(ws, got)):
+    assert got.shape == (1, 1, 64)
+    for i, (w, out) in enumerate(zip(ws, got.split([32, 16, 16], -1))):
         rope = (cos, sin, w.shape[0]) if i < 2 else ()
         assert torch.equal(out, torch.ops.vattn_examples.gemv(x, w, False, None, nw, 1e-5, *rope))
     opcheck(torch.ops.vattn_examples.gemv_group.default, (x, ws, nw, 1e-5, cos, sin, 2, False))
@@ -519,6 +526,35 @@ def test_kernel_norm_residual_llama_shapes_cuda(name: str, n: int, k: int, pdl: 
 
 
 @pytest.mark.cuda
+def test_op_group_runs_packed_weights_as_one_gemv_cuda() -> None:
+    """Llama-3.2-1B's q / k / v (RMSNorm, q and k rotated, the plain sin): weights packed into
+    one buffer (``pack_linear_weights``' layout) give what separate weights give (the group
+    kernel), within one bf16 rounding, both close to float32."""
+    from vattn.compile_passes.packed_linears import packed_rows
+
+    g = torch.Generator().manual_seed(3)
+    k, ns, d = 2048, (2048, 512, 512), 64
+    x = torch.randn(1, 1, k, generator=g).to("cuda", torch.bfloat16)
+    nw = (1 + torch.randn(k, generator=g) / 4).to("cuda", torch.bfloat16)
+    buffer = (torch.randn(sum(ns), k, generator=g) / 32).to("cuda", torch.bfloat16)
+    packed = list(buffer.split(ns))
+    separate = [w.clone() for w in packed]
+    assert packed_rows(packed) and not packed_rows(separate)
+    angle = torch.rand(d // 2, generator=g) * 30
+    cos = torch.cat((angle.cos(), angle.cos())).view(1, 1, 1, d).to("cuda", torch.bfloat16)
+    sin = torch.cat((angle.sin(), angle.sin())).view(1, 1, 1, d).to("cuda", torch.bfloat16)
+    group = torch.ops.vattn_examples.gemv_group
+    got, want = group(x, packed, nw, 1e-5, cos, sin, 2, True), group(x, separate, nw, 1e-5, cos, sin, 2, True)
+    assert got.shape == want.shape == (1, 1, sum(ns))
+    torch.testing.assert_close(got, want, atol=0.02, rtol=0.01)
+    f32 = [t.cpu().float() for t in (x, nw, cos, sin)]
+    ref = torch.cat([torch.ops.vattn_examples.gemv(f32[0], w.cpu().float(), False, None, f32[1], 1e-5,
+                                                   *((f32[2], f32[3], n, True) if i < 2 else ()))
+                     for i, (w, n) in enumerate(zip(separate, ns))], -1)
+    torch.testing.assert_close(got.cpu().float(), ref, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.cuda
 def test_pdl_chain_in_cuda_graph_matches_serial() -> None:
     """Twelve dependent GEMVs with PDL, captured and replayed, give the serial launches' result
     bit for bit (each reads the previous one's output: an early start must wait for it)."""
@@ -725,7 +761,8 @@ def test_rewrite_fuses_every_layer_of_a_transformers_llama() -> None:
         assert len(gate_up.args[1]) == 2 and gate_up.args[2] is not None and gate_up.args[6] == 0  # post norm
         gate, up = down.args[0], down.kwargs["up"]  # SwiGLU of the group's two outputs, and the residual
         assert down.args[2] and down.args[3] is not None
-        assert (gate.args, up.args) == ((gate_up, 0), (gate_up, 1))
+        assert (gate.target, up.target) == (torch.narrow, torch.narrow)  # the group's two column blocks
+        assert (gate.args, up.args) == ((gate_up, -1, 0, 128), (gate_up, -1, 128, 128))
     gm.graph.eliminate_dead_code()
     assert not [n for n in gm.graph.nodes if n.target in (operator.neg, torch.neg, F.silu)]  # rotate_half's, SwiGLU's
     assert len([n for n in gm.graph.nodes if n.target is torch.rsqrt]) == 1
@@ -819,3 +856,27 @@ def test_rewritten_transformers_llama_matches_eager_under_vattn_compile() -> Non
                 got = compiled(ids, pos)
             torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
     assert "vattn_examples.gemv_group.default" in rewritten
+
+
+def test_gemv_lm_head_keeps_the_head_and_its_logits() -> None:
+    """``gemv_lm_head`` on a wrapped transformers model: the same parameter objects and state-dict
+    keys (tied embeddings stay tied), the same logits (off the GPU the op is ``F.linear``);
+    a head with a bias is left alone."""
+    pytest.importorskip("transformers")
+    import vattn
+    from examples.gemv import GemvLinear, gemv_lm_head
+    from examples.hf_model import random_model, tiny_config
+    from vattn.integrations import transformers as vt
+
+    model = vt.wrap(random_model(tiny_config("qwen3"), dtype=torch.bfloat16), vattn.VattnConfig())
+    head = model.hf_model.get_output_embeddings()
+    keys, weight = list(model.state_dict()), head.weight
+    hidden = torch.randn(3, model.hf_model.config.hidden_size, dtype=torch.bfloat16)
+    want = model.compute_logits(hidden)
+    assert gemv_lm_head(model)
+    assert type(head) is GemvLinear and head.weight is weight is model.hf_model.get_input_embeddings().weight
+    assert list(model.state_dict()) == keys
+    assert torch.equal(model.compute_logits(hidden), want)
+    biased = torch.nn.Linear(4, 6)
+    assert not gemv_lm_head(type("Owner", (torch.nn.Module,), {"get_output_embeddings": lambda self: biased})())
+    assert type(biased) is torch.nn.Linear

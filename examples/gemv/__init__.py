@@ -17,6 +17,10 @@ through the public hook::
 | ``kernel`` | the Triton GEMV (``launch_gemv``, ``launch_gemv_group``), with programmatic dependent launch on sm_90+ |
 | ``op`` | ``vattn_examples::gemv`` / ``gemv_group``: the kernel for one bf16/fp16 row on CUDA, torch elsewhere |
 | ``rewrite`` | the FX rewrite of a 1-token piece's linear layers into that op |
+
+The LM head runs outside the compiled pieces (on the rows a step samples from);
+``gemv_lm_head(model)`` sends a ``transformers`` model's through the same op, as
+``examples/model.py``'s ``ParallelLMHead`` does.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from examples.gemv import rewrite
 from vattn.kernels.launch import pdl_supported
 
-__all__ = ["OneTokenGemv"]
+__all__ = ["GemvLinear", "OneTokenGemv", "gemv_lm_head"]
 
 
 class OneTokenGemv:
@@ -49,3 +54,27 @@ class OneTokenGemv:
         if len(devices) != 1 or not pdl_supported(devices.pop()):
             return 0
         return rewrite.rewrite(graph)
+
+
+class GemvLinear(nn.Linear):
+    """A bias-free ``nn.Linear`` whose forward is ``vattn_examples::gemv``: the Triton GEMV for one
+    bf16/fp16 row on CUDA, ``F.linear`` for anything else (same parameters and state-dict keys)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return super().forward(x)
+        return torch.ops.vattn_examples.gemv(x, self.weight, False)
+
+
+def gemv_lm_head(model: nn.Module) -> bool:
+    """Make the output embedding of a ``transformers`` model (or of its
+    ``vattn.integrations.transformers`` wrap, through ``hf_model``) a ``GemvLinear``, in place,
+    when it is a bias-free ``nn.Linear``; returns whether it did. A batch-1 step's LM head
+    then streams its (vocab, hidden) weight with the GEMV instead of cuBLAS."""
+    hf = getattr(model, "hf_model", model)
+    get = getattr(hf, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear or head.bias is not None:
+        return False
+    head.__class__ = GemvLinear
+    return True

@@ -108,18 +108,23 @@ def gemv_group(
     rope_sin: torch.Tensor | None = None,
     rope_segs: int = 0,
     rope_unsigned_sin: bool = False,
-) -> list[torch.Tensor]:
-    """``[gemv(x, w, False, None, norm_weight, eps, ...) for w in weights]`` (2 or 3 weights of one
-    K): a model's separate q / k / v or gate / up projections of one input. The first
-    ``rope_segs`` outputs are rotated in full (``rope_cols`` = their width). One bf16/fp16 row on
-    CUDA runs all of them in one launch (``examples.gemv.kernel.launch_gemv_group``); anything
-    else runs ``gemv`` per weight."""
+) -> torch.Tensor:
+    """``cat([gemv(x, w, False, None, norm_weight, eps, ...) for w in weights], -1)``: a model's
+    separate q / k / v or gate / up projections of one input (2 or 3 weights (N_i, K)), their
+    outputs side by side, (..., sum N_i). The first ``rope_segs`` outputs are rotated in full.
+
+    One bf16/fp16 row on CUDA runs one launch: where the weights are consecutive rows of one
+    buffer (``vattn.compile_passes.packed_linears.packed_rows``, as
+    ``vattn.integrations.transformers.wrap`` packs them), the plain GEMV over those
+    ``(sum N_i, K)`` rows, the fused projection's kernel; otherwise
+    ``examples.gemv.kernel.launch_gemv_group``. Anything else runs ``gemv`` per weight."""
     if len(weights) not in (2, 3) or not 0 <= rope_segs <= len(weights):
         raise ValueError(f"vattn_examples::gemv_group: 2 or 3 weights and 0 <= rope_segs <= their count; got "
                          f"{len(weights)} weights, rope_segs={rope_segs}.")
     if rope_segs and (rope_cos is None or rope_sin is None):
         raise ValueError("vattn_examples::gemv_group: rope_segs needs rope_cos and rope_sin.")
     dt = x.dtype
+    ns = [w.shape[0] for w in weights]
     if (x.is_cuda and x.dim() >= 2 and x.numel() == x.shape[-1] and dt in (torch.float16, torch.bfloat16)
             and x.stride(-1) == 1 and all(w.dtype == dt and w.stride(1) == 1 and w.shape[1] == x.shape[-1]
                                           for w in weights)
@@ -127,22 +132,30 @@ def gemv_group(
                                          and norm_weight.stride(0) == 1))
             and (not rope_segs or all(t.dtype == dt and t.numel() == t.shape[-1] and t.stride(-1) == 1
                                       for t in (rope_cos, rope_sin)))):
-        from examples.gemv.kernel import launch_gemv_group
+        from examples.gemv.kernel import launch_gemv, launch_gemv_group
+        from vattn.compile_passes.packed_linears import packed_rows
 
-        outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=dt, device=x.device) for w in weights]
-        launch_gemv_group(x.view(1, -1), weights, [o.view(1, -1) for o in outs], norm_weight=norm_weight, eps=eps,
-                          rope_cos=rope_cos, rope_sin=rope_sin, rope_segs=rope_segs,
-                          rope_unsigned_sin=rope_unsigned_sin, pdl=pdl_supported(x.device))
-        return outs
-    return [gemv(x, w, False, None, norm_weight, eps,
-                 *((rope_cos, rope_sin, w.shape[0], rope_unsigned_sin) if i < rope_segs else ()))
-            for i, w in enumerate(weights)]
+        out = torch.empty(*x.shape[:-1], sum(ns), dtype=dt, device=x.device)
+        rope = dict(rope_cos=rope_cos, rope_sin=rope_sin) if rope_segs else {}
+        if packed_rows(weights) and (not rope_segs or sum(ns) % rope_cos.shape[-1] == 0):
+            k = x.shape[-1]
+            launch_gemv(x.view(1, -1), weights[0].as_strided((sum(ns), k), (k, 1)), out.view(1, -1),
+                        silu_mul=False, norm_weight=norm_weight, eps=eps, rope_cols=sum(ns[:rope_segs]),
+                        rope_unsigned_sin=rope_unsigned_sin, pdl=pdl_supported(x.device), **rope)
+        else:
+            launch_gemv_group(x.view(1, -1), weights, out.view(1, -1).split(ns, -1), norm_weight=norm_weight,
+                              eps=eps, rope_segs=rope_segs, rope_unsigned_sin=rope_unsigned_sin,
+                              pdl=pdl_supported(x.device), **rope)
+        return out
+    return torch.cat([gemv(x, w, False, None, norm_weight, eps,
+                           *((rope_cos, rope_sin, w.shape[0], rope_unsigned_sin) if i < rope_segs else ()))
+                      for i, w in enumerate(weights)], -1)
 
 
 def _gemv_group_fake(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
                      eps: float = 0.0, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
-                     rope_segs: int = 0, rope_unsigned_sin: bool = False) -> list[torch.Tensor]:
-    return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights]
+                     rope_segs: int = 0, rope_unsigned_sin: bool = False) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
 
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None = None,

@@ -447,7 +447,8 @@ def _group_member(node: fx.Node) -> tuple[tuple[Any, ...], bool] | None:
 def _group_projections(gm: fx.GraphModule) -> int:
     """Fold the gemvs of one input (a model's separate q / k / v projections after one norm, or
     gate / up) into one ``vattn_examples::gemv_group`` each: the rotated ones (q, k) first, then
-    the plain ones, 2 or 3 a launch. Returns how many groups were made."""
+    the plain ones, 2 or 3 a launch, each member's output a ``narrow`` of the group's (the
+    ``view`` calls on it become ``reshape``). Returns how many groups were made."""
     by_input: dict[tuple[Any, ...], list[tuple[fx.Node, bool, tuple[Any, ...]]]] = {}
     for node in gm.graph.nodes:
         member = _group_member(node)
@@ -470,13 +471,22 @@ def _group_projections(gm: fx.GraphModule) -> int:
         inputs = [x, nw, *rope[:2], *(m[0].args[1] for m in chosen)]
         if any(isinstance(t, fx.Node) and order[t] > order[first] for t in inputs):
             continue  # an input computed after the first member (the group takes its place)
+        vals = [_value(m[0]) for m in chosen]
+        if any(v is None or not isinstance(v.shape[-1], int) for v in vals):
+            continue
         with gm.graph.inserting_before(first):
             group = gm.graph.call_function(torch.ops.vattn_examples.gemv_group.default, (
                 x, [m[0].args[1] for m in chosen], nw, eps, rope[0], rope[1], len(rotated), rope[2]))
-            outs = [gm.graph.call_function(operator.getitem, (group, i)) for i in range(len(chosen))]
-        group.meta["example_value"] = [m[0].meta.get("example_value") for m in chosen]
+            outs, start = [], 0
+            for v in vals:
+                outs.append(gm.graph.call_function(torch.narrow, (group, -1, start, v.shape[-1])))
+                start += v.shape[-1]
+        group.meta["example_value"] = vals[0].new_empty((*vals[0].shape[:-1], start))
         for (node, _, _), out in zip(chosen, outs):
             out.meta.update(node.meta)
+            for user in list(node.users):
+                if user.op == "call_method" and user.target == "view":
+                    user.target = "reshape"  # a column slice cannot always be viewed
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
         made += 1
