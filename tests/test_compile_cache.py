@@ -132,6 +132,11 @@ def test_key_separates_configs_and_inputs(tmp_path) -> None:
     assert key != aot_cache.cache_key(other, other_cfg, dynamic="backed", inputs=inputs)
     deeper, deeper_cfg, _ = build(3, cache_dir=str(tmp_path))
     assert key != aot_cache.cache_key(deeper, deeper_cfg, dynamic="backed", inputs=inputs)
+    # The same parameters in another submodule class (one wrapper class, VattnCausalLM, holds
+    # every transformers family): another key.
+    recast, recast_cfg, _ = build(2, cache_dir=str(tmp_path))
+    recast.layers[0].__class__ = type("OtherLayer", (type(recast.layers[0]),), {})
+    assert key != aot_cache.cache_key(recast, recast_cfg, dynamic="backed", inputs=inputs)
 
 
 MODULE = '''

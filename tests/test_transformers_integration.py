@@ -142,6 +142,29 @@ def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
     assert (compiled.backend.counter.num_packed_linear_groups > 0) == (packed_groups(model.hf_model) > 0)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_compiled_warm_start_from_cache_dir(family: str, tmp_path: Path) -> None:
+    """``CompilationConfig.cache_dir``: the first compile stores Dynamo's trace (transformers'
+    forward decorators add guards on code objects that no file can hold: the trace leaves them
+    out), the compile of a fresh wrap loads it, and both give transformers' tokens and logits."""
+    from vattn.compile_passes import aot_cache
+
+    if aot_cache.aot_supported() is not None:
+        pytest.skip(f"{aot_cache.aot_supported()}: cache_dir is ignored on this torch")
+    runs = []
+    for _ in range(2):
+        model, cfg, kv = wrapped(family, vattn.CompilationConfig(cache_dir=str(tmp_path)))
+        compiled = vattn.compile(model, cfg)
+        engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, forward_fn=compiled,
+                        record_logits=True)
+        reqs, _ = run_engine(engine)
+        assert_matches_reference(family, engine, reqs)
+        runs.append(compiled)
+    first, second = runs
+    assert not first.trace_loaded and second.trace_loaded and second.trace_path == first.trace_path
+    assert [Path(first.trace_path)] == sorted(tmp_path.glob("*.dynamo"))
+
+
 def test_wrap_packs_projections_in_place_unless_told_not_to() -> None:
     """The packed parameters are the model's own Parameter objects (an optimizer or a weight-sync
     map taken before ``wrap`` still reaches them); ``pack_projections=False`` leaves them alone."""

@@ -12,13 +12,14 @@ backend on the stored graph again (split, compile each distinct piece), which In
 cache serves.
 
 The file is keyed by everything that changes the trace and does not show in the guards:
-torch and vattn versions, the model class, its parameter shapes and dtypes, the attention
-layers and their backends, the config, vattn's environment variables, the inputs' dtypes,
-ranks and dynamic dims, and the distributed rank. Guards on the inputs and the model's
-attributes are stored with the trace and checked on every call; a call that fails them runs
-the ordinary ``torch.compile`` path. The file also holds a hash of each module whose code
-Dynamo traced (the model's, vattn's, torch's): a file whose modules changed since is stale,
-and a fresh trace replaces it.
+torch and vattn versions, the classes of the model and its submodules, its parameter shapes
+and dtypes, the attention layers and their backends, the config, vattn's environment
+variables, the inputs' dtypes, ranks and dynamic dims, and the distributed rank. Guards on
+the inputs and the model's attributes are stored with the trace and checked on every call
+(those Dynamo cannot serialize are left out: ``_storable_guards``); a call that fails them
+runs the ordinary ``torch.compile`` path. The file also holds a hash of each module whose
+code Dynamo traced (the model's, vattn's, torch's): a file whose modules changed since is
+stale, and a fresh trace replaces it.
 
 Needs ``torch._dynamo.aot_compile`` (torch 2.10+); elsewhere ``cache_dir`` logs why and is ignored.
 """
@@ -216,6 +217,7 @@ def cache_key(model: torch.nn.Module, config: Any, *, dynamic: Any, inputs: Sequ
         "format": _FORMAT,
         "versions": (torch.__version__, vattn.__version__, sys.version_info[:2]),
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "modules": sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}),
         "params": [(n, *_tensor_sig(p)) for n, p in model.named_parameters()],
         "buffers": [(n, *_tensor_sig(b)) for n, b in model.named_buffers()],
         "layers": [_layer_sig(n, layer) for n, layer in cc.static_forward_context.items()],
@@ -251,7 +253,8 @@ def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tupl
 
     backend.serializable, backend.captured = True, None
     try:
-        fn = aot_compile_fullgraph(model, (args, kwargs), hooks=Hooks(), backend=backend, dynamic=False)
+        fn = aot_compile_fullgraph(model, (args, kwargs), hooks=Hooks(guard_filter_fn=_storable_guards),
+                                   backend=backend, dynamic=False)
     finally:
         backend.serializable = False
     captured, backend.captured = backend.captured, None
@@ -260,6 +263,20 @@ def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tupl
     captured.compile(backend)  # before saving: a trace that does not compile is not stored
     save(fn, path)
     return fn
+
+
+def _storable_guards(entries: Sequence[Any]) -> list[bool]:
+    """Which guards a stored trace keeps: Dynamo's default for ``aot_compile_fullgraph`` (no
+    guards on globals, none of a type it cannot serialize), and also none *derived* from such
+    a type. ``transformers``' forward decorators read ``func.__code__`` from a closure cell,
+    which Dynamo guards as a constant derived from the code object's identity: no file can
+    hold that, and the trace's module hashes (see ``save``) already cover the code it stands for."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [not (g.is_global or g.guard_type in unsupported
+                 or unsupported.intersection(getattr(g, "derived_guard_types", None) or ()))
+            for g in entries]
 
 
 def _source_hash(module: str) -> str | None:
