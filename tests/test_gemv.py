@@ -9,6 +9,7 @@ and without programmatic dependent launch, alone and as a dependent chain in a C
 from __future__ import annotations
 
 import operator
+import warnings
 
 import pytest
 import torch
@@ -877,6 +878,10 @@ def test_gemv_lm_head_keeps_the_head_and_its_logits() -> None:
     assert type(head) is GemvLinear and head.weight is weight is model.hf_model.get_input_embeddings().weight
     assert list(model.state_dict()) == keys
     assert torch.equal(model.compute_logits(hidden), want)
+    with torch.enable_grad(), warnings.catch_warnings():  # recorded by autograd: nn.Linear's forward
+        warnings.simplefilter("error")  # not the op's autograd fallback, which warns
+        model.compute_logits(hidden.requires_grad_()).float().sum().backward()
+    assert weight.grad is not None and weight.grad.shape == weight.shape
     biased = torch.nn.Linear(4, 6)
     assert not gemv_lm_head(type("Owner", (torch.nn.Module,), {"get_output_embeddings": lambda self: biased})())
     assert type(biased) is torch.nn.Linear

@@ -58,10 +58,11 @@ class OneTokenGemv:
 
 class GemvLinear(nn.Linear):
     """A bias-free ``nn.Linear`` whose forward is ``vattn_examples::gemv``: the Triton GEMV for one
-    bf16/fp16 row on CUDA, ``F.linear`` for anything else (same parameters and state-dict keys)."""
+    bf16/fp16 row on CUDA, ``F.linear`` for anything else (same parameters and state-dict keys).
+    Calls that autograd records (the op has no backward) run ``nn.Linear``'s forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
+        if self.bias is not None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         return torch.ops.vattn_examples.gemv(x, self.weight, False)
 
