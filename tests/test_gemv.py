@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -527,11 +528,25 @@ def test_kernel_norm_residual_llama_shapes_cuda(name: str, n: int, k: int, pdl: 
 
 
 @pytest.mark.cuda
-def test_op_group_runs_packed_weights_as_one_gemv_cuda() -> None:
+def test_op_group_runs_packed_weights_as_one_gemv_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Llama-3.2-1B's q / k / v (RMSNorm, q and k rotated, the plain sin): weights packed into
-    one buffer (``pack_linear_weights``' layout) give what separate weights give (the group
-    kernel), within one bf16 rounding, both close to float32."""
+    one buffer (``pack_linear_weights``' layout) run one plain GEMV, separate weights the group
+    kernel; the results agree within one bf16 rounding and are close to float32."""
+    import examples.gemv.kernel as kernel
     from vattn.compile_passes.packed_linears import packed_rows
+
+    launched: list[str] = []
+
+    def counted(name: str) -> Any:
+        real = getattr(kernel, name)
+
+        def launch(*args: Any, **kwargs: Any) -> None:
+            launched.append(name)
+            real(*args, **kwargs)
+        return launch
+
+    for name in ("launch_gemv", "launch_gemv_group"):
+        monkeypatch.setattr(kernel, name, counted(name))
 
     g = torch.Generator().manual_seed(3)
     k, ns, d = 2048, (2048, 512, 512), 64
@@ -546,6 +561,7 @@ def test_op_group_runs_packed_weights_as_one_gemv_cuda() -> None:
     sin = torch.cat((angle.sin(), angle.sin())).view(1, 1, 1, d).to("cuda", torch.bfloat16)
     group = torch.ops.vattn_examples.gemv_group
     got, want = group(x, packed, nw, 1e-5, cos, sin, 2, True), group(x, separate, nw, 1e-5, cos, sin, 2, True)
+    assert launched == ["launch_gemv", "launch_gemv_group"]
     assert got.shape == want.shape == (1, 1, sum(ns))
     torch.testing.assert_close(got, want, atol=0.02, rtol=0.01)
     f32 = [t.cpu().float() for t in (x, nw, cos, sin)]
