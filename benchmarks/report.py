@@ -106,7 +106,7 @@ _KEY_TABLES: dict[str, KeyTable] = {
 #: Columns and rows shown of a kind without a KeyTable.
 _DEFAULT_COLUMNS, _DEFAULT_ROWS = 8, 12
 #: (key-table rows, probe-table rows) per page, tried in turn until the page fits ``MAX_BYTES``.
-_CAPS = ((16, 12), (12, 10), (12, 6), (10, 6), (8, 4), (6, 3), (4, 2))
+_CAPS = ((16, 12), (12, 10), (12, 6), (10, 6), (8, 4), (6, 3), (4, 2), (2, 1))
 _NOTE_KEYS = ("command", "note", "finding", "what")
 
 

@@ -387,6 +387,8 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._inflight: _InFlight | None = None
         self._pin = self.device.type == "cuda"
+        self._host_ring: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None  # see _send_to_host
+        self._ring_turn = 0
         self.step_count = 0
         self._next_id = 0
         # Greedy sampling of one-row FULL-graph decode steps replayed from a CUDA graph of its own
@@ -546,8 +548,17 @@ class Engine:
         copy; None on CPU, where the copy is done)."""
         if not self._pin:
             return sampled.cpu(), None
-        host = sampled.to("cpu", non_blocking=True)  # into pinned memory
-        done = torch.cuda.Event()
+        # Two pinned buffers and events, used in turn: when a step sends its tokens, only the
+        # step before it is unflushed (it holds the other pair). No pinned allocation and no new
+        # event per step: host time, in a step the host bounds.
+        n = sampled.shape[0]
+        if self._host_ring is None or self._host_ring[0][0].shape[0] < n or self._host_ring[0][0].dtype != sampled.dtype:
+            self._host_ring = [(torch.empty(max(n, self.scheduler.max_num_seqs), dtype=sampled.dtype, pin_memory=True),
+                                torch.cuda.Event()) for _ in range(2)]
+        self._ring_turn ^= 1
+        buf, done = self._host_ring[self._ring_turn]
+        host = buf[:n]
+        host.copy_(sampled, non_blocking=True)
         done.record()
         return host, done
 

@@ -193,6 +193,27 @@ def test_token_counts_and_inputs(rig: Rig, case: str) -> None:
     rig.rejects(exc, names, lambda: fn(rig))
 
 
+LAYER_CASES: dict[str, tuple[type[BaseException], str, Callable[[Rig], Any]]] = {
+    **{k: TOKEN_CASES[k] for k in ("kv_fewer_than_query", "value_none", "query_wrong_heads")},
+    "key_dtype_differs": (TypeError, "differs from query dtype", lambda r: r.run(r.common(), *(
+        lambda q, k, v: (q, k.to(torch.float16), v))(*r.qkv()))),
+    "value_wider": (ValueError, "value last dim", lambda r: r.run(r.common(), *(
+        lambda q, k, v: (q, k, torch.cat([v, v[:, :1]], 1)))(*r.qkv()))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+@pytest.mark.parametrize("rig", [BACKENDS[0], *BACKENDS[2:5]], indirect=True)
+def test_bad_inputs_after_valid_calls(rig: Rig, case: str) -> None:
+    """Eager layer calls check q/k/v once per signature (shapes, dtypes, devices): a bad call
+    after valid ones on the same layer is still caught, before anything is written."""
+    rig.run()
+    rig.run()
+    exc, names, fn = LAYER_CASES[case]
+    rig.rejects(exc, names, lambda: fn(rig))
+    assert rig.run().shape == (6, H * D)  # and the layer still runs valid calls
+
+
 @pytest.mark.parametrize("tokens", [5, 9])
 @pytest.mark.parametrize("rig", [BACKENDS[0], BACKENDS[2]], indirect=True)
 def test_token_count_mismatch_compiled(rig: Rig, tokens: int) -> None:

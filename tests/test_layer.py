@@ -34,6 +34,24 @@ def test_registers_and_repr(vattn_config):
     assert a.use_output and not a.use_direct_call
 
 
+def test_layer_scales_follow_the_module(vattn_config):
+    """Impls read a layer's fp8 scales through ``layer_scales`` (from ``_buffers``): the tensors
+    the module holds now, after ``set_kv_scales`` and after ``.to()`` replaced them; another
+    layer object's by attribute."""
+    from types import SimpleNamespace
+
+    from vattn.backends.utils import layer_scales
+
+    a = _layer()
+    a.set_kv_scales(0.5, 0.25, q_scale=2.0)
+    assert [t.item() for t in layer_scales(a)] == [0.5, 0.25, 2.0]
+    a.to(torch.float64)  # buffers replaced by new tensors
+    k, v, q = layer_scales(a)
+    assert k is a._k_scale and v is a._v_scale and q is a._q_scale and k.dtype == torch.float64
+    other = SimpleNamespace(_k_scale=torch.tensor(3.0), _v_scale=torch.tensor(4.0), _q_scale=torch.tensor(5.0))
+    assert [t.item() for t in layer_scales(other)] == [3.0, 4.0, 5.0]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -302,17 +302,19 @@ def test_scheduler_invariants_under_preemption() -> None:
         assert a.output_token_ids == b.output_token_ids
 
 
-def test_async_scheduling_same_tokens_as_sync() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_async_scheduling_same_tokens_as_sync(device: str) -> None:
     """Async scheduling (each step launched before the previous step's tokens reach the host,
     which reads them on the device) gives the tokens of a run that syncs every step: with
     preemption and recompute (few blocks), chunked prefill, arrivals, and temperature / top-p
-    sampling from the engine's generator. Mid-run, only a request's newest token is pending."""
-    hf = make_hf(CONFIGS["llama-gqa"])
-    model, cfg, _ = make_vattn(hf)
+    sampling from the engine's generator. Mid-run, only a request's newest token is pending.
+    On CUDA the tokens come back through the engine's two pinned buffers, used in turn."""
+    hf = make_hf(CONFIGS["llama-gqa"], device=device)
+    model, cfg, _ = make_vattn(hf, device=device)
 
     def run(async_scheduling: bool) -> dict[str, Any]:
-        small = vattn.allocate_kv_cache(cfg, num_blocks=12, device="cpu")
-        engine = Engine(model, cfg, small, device="cpu", max_num_batched_tokens=BUDGET, check_invariants=True,
+        small = vattn.allocate_kv_cache(cfg, num_blocks=12, device=device)
+        engine = Engine(model, cfg, small, device=device, max_num_batched_tokens=BUDGET, check_invariants=True,
                         async_scheduling=async_scheduling, seed=3, record_logits=True)
         reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=t, top_p=0.9),
                                    arrival_step=a)

@@ -102,7 +102,8 @@ def test_bench_hf_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
     monkeypatch.setenv("OUT", str(tmp_path))
     out = bench_hf.main(["--device", "cpu", "--dtype", "float32", "--models", "tiny-llama", "--batches", "1,2",
-                         "--context", "16", "--new-tokens", "3", "--reps", "1", "--compile-sizes", ""])
+                         "--context", "16", "--new-tokens", "3", "--reps", "1", "--compile-sizes", "",
+                         "--eager-rounds", "2"])
     (path,) = tmp_path.glob("hf-*.json")
     assert not out["summary"]["skipped"], out["summary"]["skipped"]
     rows = {(r["impl"], r["batch"]) for r in out["rows"] if r.get("ms_per_step")}
@@ -111,6 +112,12 @@ def test_bench_hf_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     full = next(r for r in out["rows"] if r["impl"] == "vattn-cudagraph-full" and r["batch"] == 1)
     assert full["x_example"] > 0 and full["speedup_vs_hf_static"] > 0 and full["x_floor"] > 0
     checks = out["summary"]["target_checks"]
-    assert len(checks) == 8 and all(c["value"] is not None for c in checks)
+    assert len(checks) == 8 and all(c["value"] is not None for c in checks)  # batch 64 not run: 2 checks fewer
+    eager = next(r for r in out["rows"] if r["impl"] == "vattn-eager" and r["batch"] == 1)
+    hf = next(r for r in out["rows"] if r["impl"] == "hf-eager" and r["batch"] == 1)
+    assert len(eager["blocks_ms"]) == len(hf["blocks_ms"]) == 2 and eager["x_hf_eager_paired"] > 0
+    assert eager["decode_steps"] == hf["decode_steps"] == 2 * bench_hf.EAGER_BLOCK_STEPS
+    (check,) = [c for c in checks if c["rows"] == "vattn-eager vs hf-eager"]
+    assert check["value"] == eager["x_hf_eager_paired"] and "interleaved" in check["basis"]
     data = json.loads(path.read_text())
     assert data["benchmark"] == "hf" and data["plots"] and (tmp_path / data["plots"][0]).stat().st_size > 1000

@@ -18,6 +18,7 @@ from vattn.backends.abstract import AttentionImpl, AttentionType
 from vattn.backends.flash_attn import interface as fa_interface
 from vattn.backends.flash_attn.interface import FlashAttnInterface
 from vattn.backends.flash_attn.metadata import FlashAttentionMetadata
+from vattn.backends.utils import layer_scales
 from vattn.ops.kv_store import fp8_dtype_for, store_kv
 
 if TYPE_CHECKING:
@@ -110,8 +111,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         iface = self._interface()
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            store_kv(key, value, key_cache, value_cache, md.slot_mapping, self.kv_cache_dtype,
-                     layer._k_scale, layer._v_scale)
+            k_scale, v_scale, _ = layer_scales(layer)
+            store_kv(key, value, key_cache, value_cache, md.slot_mapping, self.kv_cache_dtype, k_scale, v_scale)
         descale: dict[str, torch.Tensor] = {}
         if self._fp8_dtype is not None:
             key_cache, value_cache = key_cache.view(self._fp8_dtype), value_cache.view(self._fp8_dtype)

@@ -14,6 +14,7 @@ import torch
 
 from vattn.backends.abstract import AttentionImpl, AttentionType
 from vattn.backends.flashinfer.metadata import FlashInferMetadata
+from vattn.backends.utils import layer_scales
 from vattn.ops.kv_store import fp8_dtype_for, store_kv
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         if md is None:
             return output
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            store_kv(key, value, kv_cache[:, 0], kv_cache[:, 1], md.slot_mapping, self.kv_cache_dtype,
-                     layer._k_scale, layer._v_scale)
+            k_scale, v_scale, _ = layer_scales(layer)
+            store_kv(key, value, kv_cache[:, 0], kv_cache[:, 1], md.slot_mapping, self.kv_cache_dtype, k_scale, v_scale)
         if self._fp8_dtype is not None:
             if kv_cache.dtype != self._fp8_dtype:
                 kv_cache = kv_cache.view(self._fp8_dtype)

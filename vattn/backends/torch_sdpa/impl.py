@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from vattn.backends.abstract import AttentionImpl, AttentionType
 from vattn.backends.torch_sdpa.metadata import TorchSDPAMetadata
+from vattn.backends.utils import layer_scales
 from vattn.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv, store_rows
 
@@ -105,14 +106,13 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
             key_valid = md.encoder_key_valid
         else:
             key_cache, value_cache = kv_cache.unbind(0)
+            k_scale, v_scale, _ = layer_scales(layer)
             if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
                 if (md.store_slots is not None and key.shape[0] == md.slot_mapping.shape[0]
                         and key_cache.device == md.store_slots.device):
-                    store_rows(key, value, key_cache, value_cache, md.store_slots, md.store_rows,
-                               layer._k_scale, layer._v_scale)
+                    store_rows(key, value, key_cache, value_cache, md.store_slots, md.store_rows, k_scale, v_scale)
                 else:
-                    store_kv(key, value, key_cache, value_cache, md.slot_mapping,
-                             self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+                    store_kv(key, value, key_cache, value_cache, md.slot_mapping, self.kv_cache_dtype, k_scale, v_scale)
             if md.key_block is None or md.key_offset is None:
                 raise ValueError(
                     "block_table_tensor has too few columns for max_seq_len "
@@ -120,8 +120,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
                 )
             if md.decode_blocks is not None and self._plain_decode:
                 return self._decode(query, kv_cache, md, layer, output)
-            k = self._read_cache(key_cache, md, layer._k_scale)
-            v = self._read_cache(value_cache, md, layer._v_scale)
+            k = self._read_cache(key_cache, md, k_scale)
+            v = self._read_cache(value_cache, md, v_scale)
             key_valid = md.key_valid
 
         q = query[md.query_index].float()  # (B, Lq, H, D)

@@ -18,6 +18,7 @@ from vattn import envs
 from vattn.backends.abstract import AttentionImpl, AttentionType
 from vattn.backends.triton.config import head_pad
 from vattn.backends.triton.metadata import TritonAttentionMetadata
+from vattn.backends.utils import layer_scales
 from vattn.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv
 
@@ -157,7 +158,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             )
         md = attn_metadata
         alibi = None if self.alibi_slopes is None else self._alibi(query.device)
-        fixed = (kv_cache, layer._k_scale, layer._v_scale, layer._q_scale, alibi, self.sinks)
+        k_scale, v_scale, q_scale = layer_scales(layer)
+        fixed = (kv_cache, k_scale, v_scale, q_scale, alibi, self.sinks)
         views = self._fixed
         if views is None or not all(map(operator.is_, views[0], fixed)):
             # Once per bound cache (and scales): the cache unbound into K / V, and the part of
@@ -167,8 +169,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         _, key_cache, value_cache, fixed_sig = views
         # Every layer of a step makes the same launches with its own tensors: the first one
         # records them (validated, specialized) and the others repeat them (LaunchPlan).
-        roles = (query, key, value, output, key_cache, value_cache, layer._k_scale, layer._v_scale,
-                 layer._q_scale, output_scale, alibi, self.sinks)
+        roles = (query, key, value, output, key_cache, value_cache, k_scale, v_scale, q_scale, output_scale, alibi,
+                 self.sinks)
         sig = self._plan_signature(query, key, value, output, output_scale, fixed_sig)
         plan = md.launch_plans.get(sig, _NO_PLAN) if sig is not None else None
         if plan is _NO_PLAN:  # this step's first layer of this signature: record

@@ -52,7 +52,7 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     | key, value | (1, Hk, T, D) |
     | returns | ((1, T, H, D), None) |
     """
-    layer = getattr(module, "attn", None)
+    layer = module._modules.get("attn")  # a submodule: not through nn.Module.__getattr__'s Python fallback
     if not torch.compiler.is_compiling():
         if not isinstance(layer, Attention) or query.shape[0] != 1:
             raise ValueError(
