@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elapsed, t_job = time.perf_counter() - _T0, time.perf_counter()
                 estimate = estimates.get(impl, DEFAULT_ESTIMATE_S[impl])
                 if pair and impl == "vattn-eager":
-                    estimate = (estimate + DEFAULT_ESTIMATE_S["hf-eager"]) * args.eager_rounds / 2
+                    estimate += DEFAULT_ESTIMATE_S["hf-eager"] + 2.0 * args.eager_rounds  # both impls, every block
                 try:
                     if elapsed + estimate > args.time_budget_s:
                         row["skipped"] = (f"time budget: {elapsed:.0f} s used + about {estimate:.0f} s for this job "
