@@ -310,6 +310,30 @@ def test_decode_only_batches(layout: str, contexts: tuple[int, ...], features: d
     assert md_used, "the decode-only batch did not take the decode path"
 
 
+def test_padded_fields_made_on_first_use() -> None:
+    """A decode-only step's metadata makes its padded-batch fields only for a layer that needs
+    them: plain layers decode without them; a soft-capped layer on the same metadata makes them
+    (once) and matches the reference."""
+    spec = BatchSpec(context_lens=(5, 63, 16), query_lens=(1, 1, 1), num_heads=8, num_kv_heads=2, block_size=8)
+    batch = make_random_batch(spec, seed=6)
+    kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, batch.kv_cache.dtype,
+                            spec.kv_cache_dtype)
+    md = TorchSDPAMetadataBuilder(kv_spec, ["fake.attn"], VattnConfig(), torch.device("cpu")).build(0, batch.common)
+    assert md.decode_blocks is not None and md.query_index is None
+    plain = TorchSDPAImpl(8, spec.head_size, scale=spec.head_size**-0.5, num_kv_heads=2)
+    capped = TorchSDPAImpl(8, spec.head_size, scale=spec.head_size**-0.5, num_kv_heads=2, logits_soft_cap=2.0)
+    out = torch.zeros_like(batch.query)
+    plain.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)  # type: ignore[arg-type]
+    assert md.query_index is None, "the plain decode made the padded fields"
+    assert_close(out, batch.reference(scale=plain.scale), spec.dtype)
+    capped.forward(batch.layer, batch.query, None, None, batch.kv_cache, md, output=out)  # type: ignore[arg-type]
+    made = md.query_index
+    assert made is not None and md.output_index is not None and md.key_block is not None
+    assert_close(out, batch.reference(scale=capped.scale, logits_soft_cap=2.0), spec.dtype)
+    capped.forward(batch.layer, batch.query, None, None, batch.kv_cache, md, output=out)  # type: ignore[arg-type]
+    assert md.query_index is made, "made once per step"
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_request_on_consecutive_blocks_reads_a_view(layout: str, dtype: torch.dtype) -> None:

@@ -101,6 +101,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         if self.attn_type in _ENCODER_SELF:
             if key is None or value is None:
                 raise ValueError(f"attn_type {self.attn_type!r} needs key and value (no KV cache is used).")
+            md = md.padded()
             k = key[md.query_index].float()  # (B, Lq, Hk, D): keys are the request's own tokens
             v = value[md.query_index].float()
             key_valid = md.encoder_key_valid
@@ -113,13 +114,14 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
                     store_rows(key, value, key_cache, value_cache, md.store_slots, md.store_rows, k_scale, v_scale)
                 else:
                     store_kv(key, value, key_cache, value_cache, md.slot_mapping, self.kv_cache_dtype, k_scale, v_scale)
-            if md.key_block is None or md.key_offset is None:
+            if not md.table_covers:
                 raise ValueError(
                     "block_table_tensor has too few columns for max_seq_len "
                     f"({md.max_seq_len}); give each request ceil(seq_len / block_size) block ids."
                 )
             if md.decode_blocks is not None and self._plain_decode:
                 return self._decode(query, kv_cache, md, layer, output)
+            md = md.padded()
             k = self._read_cache(key_cache, md, k_scale)
             v = self._read_cache(value_cache, md, v_scale)
             key_valid = md.key_valid

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
 
 import torch
 
@@ -22,10 +22,14 @@ __all__ = ["TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]
 class TorchSDPAMetadata(AttentionMetadata):
     """One step's metadata. B = num_reqs, Lq = max_query_len, Lk = max_seq_len.
 
+    ``query_index`` to ``output_index`` describe the batch padded to (B, Lq) queries and (B, Lk)
+    keys; they are None until ``padded()`` makes them (the impl calls it where it needs them).
+
     | field | shape / type | meaning |
     | --- | --- | --- |
     | num_actual_tokens | int | real tokens (rows of output written) |
     | slot_mapping | (T,) int64 | where the new K/V rows go; < 0 skipped |
+    | table_covers | bool | the block table has ceil(Lk / block_size) columns |
     | query_index | (B, Lq) int64 | token row of query i of request b (0 where padding) |
     | query_pos | (B, Lq) int64 | absolute position of that query (seq_len - query_len + i) |
     | key_valid | (B, Lk) bool | key position j < seq_len of request b |
@@ -51,19 +55,31 @@ class TorchSDPAMetadata(AttentionMetadata):
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
-    query_index: torch.Tensor
-    query_pos: torch.Tensor
-    key_valid: torch.Tensor
-    key_block: torch.Tensor | None
-    key_offset: torch.Tensor | None
-    encoder_key_valid: torch.Tensor
-    output_index: torch.Tensor
     causal: bool = True
+    table_covers: bool = True
     decode_blocks: torch.Tensor | None = None
     decode_key_valid: torch.Tensor | None = None
     decode_first_block: int | None = None
     store_slots: torch.Tensor | None = None
     store_rows: torch.Tensor | None = None
+    # The padded-batch fields: made on first use (``padded()``); a decode-only batch of plain
+    # causal layers never uses them.
+    query_index: torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None
+    key_valid: torch.Tensor | None = None
+    key_block: torch.Tensor | None = None
+    key_offset: torch.Tensor | None = None
+    encoder_key_valid: torch.Tensor | None = None
+    output_index: torch.Tensor | None = None
+    _make_padded: Callable[[], dict[str, torch.Tensor | None]] | None = field(default=None, repr=False, compare=False)
+
+    def padded(self) -> "TorchSDPAMetadata":
+        """This metadata with its padded-batch fields made (once)."""
+        if self._make_padded is not None:
+            for name, value in self._make_padded().items():
+                setattr(self, name, value)
+            self._make_padded = None
+        return self
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
@@ -84,29 +100,32 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         seq_lens = cm.seq_lens[:B].long()
         qlens = qsl[1:] - qsl[:-1]
 
-        i = torch.arange(Lq, device=dev)
-        query_valid = i[None, :] < qlens[:, None]
-        query_index = torch.where(query_valid, qsl[:-1, None] + i[None, :], 0)
-        query_pos = (seq_lens - qlens)[:, None] + i[None, :]
-
-        j = torch.arange(Lk, device=dev)
-        key_valid = j[None, :] < seq_lens[:, None]
         block_size = self.kv_cache_spec.block_size
         bt = cm.block_table_tensor
         limit = self.unchecked_block_limit(cm) if dev.type != "cpu" else None
         if limit is not None:  # ids never seen on the host: keep reads inside the cache (no device assert)
             bt = bt.clamp(0, limit - 1)
         n_blocks = -(-Lk // block_size)
-        key_block = key_offset = None
-        if bt.shape[1] >= n_blocks:
-            cols = (j // block_size).expand(B, Lk)
-            key_block = torch.where(key_valid, bt[:B].long().gather(1, cols), 0)
-            key_offset = torch.where(key_valid, j % block_size, 0)
+        table_covers = bt.shape[1] >= n_blocks
+        num_tokens = cm.num_actual_tokens
 
-        # Token t belongs to request r with qsl[r] <= t < qsl[r + 1]; its padded row is r * Lq + (t - qsl[r]).
-        t = torch.arange(cm.num_actual_tokens, device=dev)
-        r = torch.searchsorted(qsl[1:], t, right=True)
-        output_index = r * Lq + (t - qsl[r])
+        def make_padded() -> dict[str, torch.Tensor | None]:
+            i = torch.arange(Lq, device=dev)
+            query_valid = i[None, :] < qlens[:, None]
+            j = torch.arange(Lk, device=dev)
+            key_valid = j[None, :] < seq_lens[:, None]
+            key_block = key_offset = None
+            if table_covers:
+                cols = (j // block_size).expand(B, Lk)
+                key_block = torch.where(key_valid, bt[:B].long().gather(1, cols), 0)
+                key_offset = torch.where(key_valid, j % block_size, 0)
+            # Token t belongs to request r with qsl[r] <= t < qsl[r + 1]; its padded row is r * Lq + (t - qsl[r]).
+            t = torch.arange(num_tokens, device=dev)
+            r = torch.searchsorted(qsl[1:], t, right=True)
+            return dict(query_index=torch.where(query_valid, qsl[:-1, None] + i[None, :], 0),
+                        query_pos=(seq_lens - qlens)[:, None] + i[None, :], key_valid=key_valid,
+                        key_block=key_block, key_offset=key_offset, encoder_key_valid=query_valid,
+                        output_index=r * Lq + (t - qsl[r]))
 
         decode_blocks = decode_key_valid = decode_first_block = None
         if Lq == 1 and cm.num_actual_tokens == B and B and bt.shape[1] >= n_blocks:
@@ -137,17 +156,12 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
             block_table=bt,
-            query_index=query_index,
-            query_pos=query_pos,
-            key_valid=key_valid,
-            key_block=key_block,
-            key_offset=key_offset,
-            encoder_key_valid=query_valid,
-            output_index=output_index,
             causal=cm.causal,
+            table_covers=table_covers,
             decode_blocks=decode_blocks,
             decode_key_valid=decode_key_valid,
             decode_first_block=decode_first_block,
             store_slots=store_slots,
             store_rows=store_rows,
+            _make_padded=make_padded,
         )
