@@ -121,3 +121,24 @@ def test_bench_hf_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert check["value"] == eager["x_hf_eager_paired"] and "interleaved" in check["basis"]
     data = json.loads(path.read_text())
     assert data["benchmark"] == "hf" and data["plots"] and (tmp_path / data["plots"][0]).stat().st_size > 1000
+
+
+def test_bench_hf_eager_targets_use_the_interleaved_ratios() -> None:
+    """The eager targets read the per-block ratio where a row has one (not the ratio of the
+    two rows' medians): at most 1.0 at batch 1, below 1.0 at batch 64."""
+    from benchmarks import bench_hf
+
+    def rows(b1: float, b64: float) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
+        for batch, paired in ((1, b1), (64, b64)):
+            out += [{"model": "m", "impl": "vattn-eager", "batch": batch, "ms_per_step": 10.0, "tok_s": 1.0,
+                     "x_hf_eager_paired": paired},
+                    {"model": "m", "impl": "hf-eager", "batch": batch, "ms_per_step": 9.0, "tok_s": 1.0}]
+        return out
+
+    def met(b1: float, b64: float) -> dict[int, object]:
+        checks = [c for c in bench_hf.targets(rows(b1, b64), [1, 64]) if c["rows"] == "vattn-eager vs hf-eager"]
+        return {int(c["target"].split(" b")[-1][:2]): (c["value"], c["met"]) for c in checks}
+
+    assert met(1.0, 1.0) == {1: (1.0, True), 64: (1.0, False)}
+    assert met(1.01, 0.99) == {1: (1.01, False), 64: (0.99, True)}

@@ -100,8 +100,7 @@ def check_call(layer: Any, query: torch.Tensor, key: torch.Tensor | None, value:
         layer._checked_cache = weakref.ref(kv_cache)
     checks = md.checks
     if checks is not None:
-        if checks.passed != layer._cache_geometry:  # else passed already this step (the message is not built)
-            checks.check(*layer._cache_geometry, f"layer {name!r}'s KV cache")
+        checks.check(*layer._cache_geometry, f"layer {name!r}'s KV cache")
     elif debug:
         check_backend_metadata(md, *layer._cache_geometry, name)
 
