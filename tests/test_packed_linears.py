@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from test_compile import NH, NKV, TinyLayer
-from vattn.compile_passes.packed_linears import pack_linear_weights, packed_rows
+from vattn.compile_passes.packed_linears import PackedLinear, pack_linear_weights, packed_rows
 
 
 class Block(nn.Module):
@@ -177,3 +177,77 @@ def test_groups_survive_a_saved_trace(tmp_path) -> None:
     batches = Batches(kv, seed=5)
     for got in outs[1]:
         torch.testing.assert_close(got, run(eager, cfg, kv, *batches.step()), atol=1e-5, rtol=1e-5)
+
+
+class _CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix multiplications dispatched (what a GEMM launch is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_inference_runs_a_packed_group_as_one_gemm() -> None:
+    """Without grad, the first member called with an input computes the group; the others return
+    their column slices for that tensor in any order; everything equals the separate linears."""
+    torch.manual_seed(3)
+    block, plain = Block(), Block()
+    plain.load_state_dict(block.state_dict())
+    pack_linear_weights(block)
+    assert all(type(getattr(block, n)) is PackedLinear for n in ("q_proj", "k_proj", "v_proj", "gate_proj"))
+    assert type(block.down_proj) is nn.Linear and isinstance(block.q_proj, nn.Linear)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        want = plain(x)
+        with _CountMM() as mm:
+            got = block(x)
+        assert mm.count == 3  # q/k/v, gate/up, down
+        torch.testing.assert_close(got, want)
+        with _CountMM() as mm:  # k and v first: still one GEMM, the same values
+            k, v, q = block.k_proj(x), block.v_proj(x), block.q_proj(x)
+        assert mm.count == 1
+        for out, ref in zip((q, k, v), (plain.q_proj(x), plain.k_proj(x), plain.v_proj(x))):
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        q.view(2, 5, 4, 8)  # a column slice: its last dimension still splits into heads
+        with _CountMM() as mm:  # a member called twice with one input: the second call computes again
+            twice = [block.q_proj(x), block.q_proj(x)]
+        assert mm.count == 2
+        for out in twice:
+            torch.testing.assert_close(out, plain.q_proj(x))
+        block.q_proj(x)
+        x.add_(1.0)  # changed in place since the group ran: k is computed from the new values
+        torch.testing.assert_close(block.k_proj(x), plain.k_proj(x))
+        block.q_proj(x)
+        torch.testing.assert_close(block.k_proj(x + 0), plain.k_proj(x))  # another tensor of equal values
+
+
+def test_packed_group_with_grad_or_unpacked_runs_member_by_member() -> None:
+    torch.manual_seed(4)
+    block, plain = Block(), Block()
+    plain.load_state_dict(block.state_dict())
+    pack_linear_weights(block)
+    x = torch.randn(3, 32, requires_grad=True)
+    with _CountMM() as mm:
+        out = block(x)
+    assert mm.count == 6  # with grad: the plain linears (autograd sees each weight)
+    out.sum().backward()
+    plain(x).sum().backward()
+    for (name, p), q in zip(block.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with torch.no_grad():
+        block.k_proj.weight = nn.Parameter(torch.randn(16, 32))  # the packing undone
+        plain.k_proj.weight = nn.Parameter(block.k_proj.weight.detach().clone())
+        with _CountMM() as mm:
+            got = block(x)
+        assert mm.count == 5  # gate/up still packed
+        torch.testing.assert_close(got, plain(x))
+        block.double()
+        torch.testing.assert_close(block(x.double()), plain.double()(x.double()))
+        block.gate_proj.bias = nn.Parameter(torch.randn(48, dtype=torch.float64))  # a bias added later is used
+        plain.gate_proj.bias = nn.Parameter(block.gate_proj.bias.detach().clone())
+        torch.testing.assert_close(block(x.double()), plain(x.double()))

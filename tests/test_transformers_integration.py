@@ -175,6 +175,10 @@ def test_wrap_packs_projections_in_place_unless_told_not_to() -> None:
     wrapped_model = vt.wrap(model, cfg)
     assert packed_groups(model) == 2 * model.config.num_hidden_layers
     assert all(p is params[n] and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    from vattn.compile_passes.packed_linears import PackedLinear  # eager inference runs each group as one GEMM
+
+    attn = model.model.layers[0].self_attn
+    assert all(type(getattr(attn, n)) is PackedLinear for n in ("q_proj", "k_proj", "v_proj"))
     assert wrapped_model.hf_model is model
     plain, _, _ = wrapped("llama", pack_projections=False)
     assert packed_groups(plain.hf_model) == 0

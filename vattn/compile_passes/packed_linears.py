@@ -24,6 +24,13 @@ cannot always be viewed). The op checks the packing again on every call: weights
 runtime inputs, and identical pieces of other layers run the same code. Packed, it runs one
 ``F.linear`` over the storage's ``(sum N, K)`` rows; otherwise each linear and a concatenation
 (correct, slower).
+
+Eager (uncompiled) inference gets the one GEMM too: ``pack_linear_weights`` makes the members
+``PackedLinear`` (an ``nn.Linear``). Without grad, the first member called with an input runs
+the group's GEMM and keeps the other members' column slices for that input, which they return
+when called with the same tensor, unchanged since (its version counter); any other call runs
+its own ``F.linear``. Model code sees column slices where it saw whole outputs: splitting
+their last dimension (``.view(*shape, -1, head_dim)``, as transformers does) still works.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MARK", "mark", "pack_linear_weights", "packed_rows", "rewrite"]
+__all__ = ["MARK", "PackedLinear", "mark", "pack_linear_weights", "packed_rows", "rewrite"]
 
 logger = logging.getLogger("vattn.compile")
 
@@ -200,6 +207,65 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     return made
 
 
+class _EagerGroup:
+    """One packed group's eager state: the members, their row counts, the weight addresses
+    last checked (``packed_rows``) and its answer, and the outputs kept for one input."""
+
+    __slots__ = ("members", "sizes", "ptrs", "packed", "x", "version", "outs")
+
+    def __init__(self, members: list[PackedLinear]) -> None:
+        self.members = members
+        self.sizes = [m.weight.shape[0] for m in members]
+        self.ptrs: tuple[int, ...] = ()
+        self.packed = False
+        self.x: torch.Tensor | None = None
+        self.version = -1
+        self.outs: list[torch.Tensor | None] = []
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s ``F.linear(x, w_index)``: a kept slice, else the group's GEMM, else its own."""
+        if self.x is x and self.version == x._version:
+            out = self.outs[index]
+            if out is not None:
+                self.outs[index] = None
+                if not any(o is not None for o in self.outs):
+                    self.x, self.outs = None, []
+                return out
+        params = [m._parameters for m in self.members]
+        weights = [p["weight"] for p in params]
+        ptrs = tuple(w.data_ptr() for w in weights)
+        if ptrs != self.ptrs:  # first call, or the weights were replaced or moved
+            self.ptrs, self.packed = ptrs, packed_rows(weights)
+        if not self.packed or any(p["bias"] is not None for p in params):  # unpacked, or a bias added since
+            return F.linear(x, weights[index], params[index]["bias"])
+        first = weights[0]
+        k = first.shape[1]
+        outs: list[torch.Tensor | None] = list(F.linear(x, first.as_strided((sum(self.sizes), k), (k, 1)))
+                                              .split(self.sizes, -1))
+        out = outs[index]
+        outs[index] = None
+        self.x, self.version, self.outs = x, x._version, outs
+        return out
+
+
+class PackedLinear(nn.Linear):
+    """A bias-free ``nn.Linear`` whose weight ``pack_linear_weights`` packed with its siblings'
+    (same parameters and state dict as before). Eager inference runs the group as one GEMM
+    (module docstring); with grad enabled, under ``torch.compile`` (where ``rewrite`` does
+    it) or once the packing is undone, it is a plain ``nn.Linear``."""
+
+    _vattn_group: _EagerGroup
+    _vattn_index: int
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return F.linear(input, self.weight, self.bias)
+        return self._vattn_group.output(self._vattn_index, input)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, packed={self._vattn_index + 1} of {len(self._vattn_group.members)}"
+
+
 def pack_linear_weights(module: nn.Module, groups: Sequence[Sequence[str]] = (("q_proj", "k_proj", "v_proj"),
                                                                           ("gate_proj", "up_proj"))) -> int:
     """Give every submodule's bias-free ``nn.Linear`` children named in one of ``groups`` one
@@ -211,7 +277,8 @@ def pack_linear_weights(module: nn.Module, groups: Sequence[Sequence[str]] = (("
     ``Parameter``, or moving the module to another device or dtype, undoes it (each linear
     then runs on its own). A group is left as it is where a member is missing, has a bias,
     differs in input width, dtype or device, or shares its weight with another parameter
-    (tied). Returns the groups packed."""
+    (tied). Plain ``nn.Linear`` members become ``PackedLinear``, which runs the group as one
+    GEMM in eager inference too (module docstring). Returns the groups packed."""
     owners: dict[Any, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         key = (p.device, p.untyped_storage().data_ptr()) if p.device.type != "meta" else id(p)
@@ -234,6 +301,12 @@ def pack_linear_weights(module: nn.Module, groups: Sequence[Sequence[str]] = (("
             for w in ws:  # the same Parameter objects (optimizers, weight-sync maps keep working)
                 w.data = buffer[start:start + w.shape[0]]
                 start += w.shape[0]
+            if all(type(m) is nn.Linear for m in linears):  # not a subclass with its own forward
+                for m in linears:
+                    m.__class__ = PackedLinear
+                eager = _EagerGroup(linears)
+                for i, m in enumerate(linears):
+                    m._vattn_group, m._vattn_index = eager, i
             packed += 1
     if packed:
         logger.debug("pack_linear_weights: %d groups packed", packed)
