@@ -6,6 +6,7 @@
 | ``config`` | the decode's split count and scratch sizes, from static sizes (no Triton import) |
 | ``launch`` | the launchers ``mla_decode`` and ``mla_prefill`` (imports Triton) |
 | ``kernels`` | the Triton kernels (latent decode, split combine, ragged prefill) |
+| ``wgmma`` | the Hopper latent decode on warpgroup MMAs, in Gluon (imported by ``launch`` on sm_90) |
 """
 
 from vattn.backends.mla.triton_mla.backend import (

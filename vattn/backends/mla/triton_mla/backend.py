@@ -30,6 +30,7 @@ from vattn.backends.mla.triton_mla.config import (
     DecodeTiles,
     decode_num_splits,
     decode_tiles,
+    device_capability,
     device_smem_bytes,
     split_scratch_numel,
 )
@@ -67,7 +68,8 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.num_sms = device_num_sms(self.device)
-        self.tiles = decode_tiles(self.num_heads, self.kv_lora_rank, device_smem_bytes(self.device))
+        self.tiles = decode_tiles(self.num_heads, self.kv_lora_rank, device_smem_bytes(self.device),
+                                  capability=device_capability(self.device))
         n_o, n_lse = split_scratch_numel(self.max_graph_reqs, self.num_heads, self.kv_lora_rank, MAX_SPLITS)
         shrink = max(1, -(-n_o // (SPLIT_SCRATCH_BYTES // 4)))  # both cut to the budget alike
         self.partial_out = torch.empty(n_o // shrink, dtype=torch.float32, device=self.device)
@@ -77,7 +79,8 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder):
         """The split count of ``num_decode_tokens`` rows (a function of static sizes) that fits the scratch."""
         rows = decode.num_decode_tokens
         splits = decode_num_splits(max(rows, decode.num_decodes), self.num_heads, self.kv_lora_rank, self.num_sms,
-                                   scratch_numel=self.partial_out.numel(), block_h=self.tiles.block_h)
+                                   scratch_numel=self.partial_out.numel(), block_h=self.tiles.block_h,
+                                   one_wave=self.tiles.wgmma)
         decode.plan = TritonMLADecodePlan(self.tiles, splits, self.partial_out, self.partial_lse)
 
 

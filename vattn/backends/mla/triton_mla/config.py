@@ -15,11 +15,13 @@ import torch
 
 from vattn.kernels.launch import next_power_of_2
 
-__all__ = ["DecodeTiles", "LARGE_TILE_SMEM", "MAX_SPLITS", "SPLIT_SCRATCH_BYTES", "decode_num_splits",
-           "decode_tiles", "device_smem_bytes", "split_scratch_numel"]
+__all__ = ["DecodeTiles", "LARGE_TILE_SMEM", "MAX_SPLITS", "ONE_WAVE_MAX_SPLITS", "SPLIT_SCRATCH_BYTES", "WGMMA_LORA",
+           "decode_num_splits", "decode_tiles", "device_capability", "device_smem_bytes", "split_scratch_numel"]
 
 MAX_SPLITS = 32
 """Most KV splits of one decode (a power of two)."""
+ONE_WAVE_MAX_SPLITS = 64
+"""Most KV splits of one decode on the warpgroup-MMA kernel, whose programs fill one SM each."""
 SPLIT_SCRATCH_BYTES = 64 << 20
 """Budget of the fp32 split partials (``splits * rows * heads * pad(kv_lora_rank)``)."""
 
@@ -37,15 +39,23 @@ class DecodeTiles:
     block_n: int
     num_warps: int
     num_stages: int
+    wgmma: bool = False
+    """Hopper: launch the warpgroup-MMA kernel (``triton_mla.wgmma``) where the tensors allow it
+    (bf16 / fp16, latent 512 + RoPE 64), else the Triton kernel with these tiles; its split
+    count targets one wave of programs (``decode_num_splits(one_wave=True)``)."""
 
 
 #: Shared memory per block (bytes) the large tiles need: Hopper's 227 KiB, not Ampere's 164.
 LARGE_TILE_SMEM = 200 << 10
+#: The latent width the warpgroup-MMA kernel serves (``triton_mla.wgmma.LORA``).
+WGMMA_LORA = 512
 
 
-def decode_tiles(num_heads: int, kv_lora_rank: int, smem_bytes: int = 0) -> DecodeTiles:
+def decode_tiles(num_heads: int, kv_lora_rank: int, smem_bytes: int = 0, *, capability: tuple[int, int] = (0, 0)
+                 ) -> DecodeTiles:
     """The decode tiles for ``num_heads`` query heads over a ``kv_lora_rank``-wide latent, on a
-    device with ``smem_bytes`` of shared memory per block (``device_smem_bytes``; 0: small tiles).
+    device with ``smem_bytes`` of shared memory per block (``device_smem_bytes``; 0: small tiles)
+    and compute ``capability`` (``device_capability``; sm_90 takes the warpgroup-MMA kernel).
 
     A key tile of a 512-wide latent is 64 rows where shared memory holds two of them beside the
     query block: few heads (16 per GPU under tensor parallelism) then read the cache once with
@@ -59,7 +69,21 @@ def decode_tiles(num_heads: int, kv_lora_rank: int, smem_bytes: int = 0) -> Deco
         return DecodeTiles(block_h=16, block_n=32, num_warps=8, num_stages=2)
     if num_heads <= 16:
         return DecodeTiles(block_h=16, block_n=64, num_warps=4, num_stages=2)
-    return DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    wgmma = capability[0] == 9 and kv_lora_rank == WGMMA_LORA
+    return DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=wgmma)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA ``device``; (0, 0) elsewhere; cached."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (0, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,14 +106,19 @@ def split_scratch_numel(rows: int, num_heads: int, kv_lora_rank: int, num_splits
 
 
 def decode_num_splits(num_decodes: int, num_heads: int, kv_lora_rank: int, num_sms: int,
-                      scratch_numel: int | None = None, block_h: int = 16) -> int:
+                      scratch_numel: int | None = None, block_h: int = 16, one_wave: bool = False) -> int:
     """Split KV until about one program runs per SM: ``num_decodes * cdiv(H, block_h)``
     programs without splits (``block_h``: the launch's ``DecodeTiles.block_h``); capped by
     ``MAX_SPLITS`` and by the scratch (``scratch_numel`` fp32 elements of partial output; None:
-    ``SPLIT_SCRATCH_BYTES``). More splits than that only add partials to merge."""
+    ``SPLIT_SCRATCH_BYTES``). More splits than that only add partials to merge. ``one_wave``
+    (the warpgroup-MMA kernel, one program an SM by its shared memory): at most one program per
+    SM, so a second, nearly empty wave never runs."""
     programs = max(1, num_decodes) * -(-num_heads // block_h)
     splits = 1
-    if programs < num_sms:
+    if one_wave:
+        while splits < ONE_WAVE_MAX_SPLITS and programs * splits * 2 <= num_sms:
+            splits *= 2
+    elif programs < num_sms:
         splits = min(MAX_SPLITS, next_power_of_2(-(-num_sms // programs)))
     budget = SPLIT_SCRATCH_BYTES // 4 if scratch_numel is None else scratch_numel
     while splits > 1 and split_scratch_numel(num_decodes, num_heads, kv_lora_rank, splits)[0] > budget:

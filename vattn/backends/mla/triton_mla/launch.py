@@ -6,14 +6,26 @@ heads and splits, so a CUDA graph captured for a batch size replays for any sequ
 
 from __future__ import annotations
 
+import functools
+import logging
+from typing import Any
+
 import torch
 
-from vattn.backends.mla.triton_mla.config import DecodeTiles, decode_tiles, device_smem_bytes, split_scratch_numel
+from vattn.backends.mla.triton_mla.config import (
+    DecodeTiles,
+    decode_tiles,
+    device_capability,
+    device_smem_bytes,
+    split_scratch_numel,
+)
 from vattn.backends.mla.triton_mla.kernels import _mla_combine_kernel, _mla_decode_kernel, _mla_prefill_kernel
 from vattn.kernels.fp8 import FP8_DTYPES
 from vattn.kernels.launch import FastLaunch, next_power_of_2
 
 __all__ = ["mla_decode", "mla_prefill"]
+
+logger = logging.getLogger("vattn.backends.mla")
 
 _DECODE = FastLaunch(_mla_decode_kernel)
 _COMBINE = FastLaunch(_mla_combine_kernel)
@@ -22,6 +34,17 @@ _PREFILL = FastLaunch(_mla_prefill_kernel)
 
 def _pad(n: int) -> int:
     return max(16, next_power_of_2(n))
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma() -> Any:
+    """``triton_mla.wgmma`` (Gluon), or None where this Triton has no Gluon for Hopper (the Triton kernel runs)."""
+    try:
+        from vattn.backends.mla.triton_mla import wgmma
+    except ImportError as e:
+        logger.info("TRITON_MLA: no warpgroup-MMA decode (%s); the Triton kernel runs", e)
+        return None
+    return wgmma
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *,
@@ -42,7 +65,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
 
     ``num_splits > 1`` writes fp32 partials into ``partial_out`` / ``partial_lse`` (allocated when
     not given; ``split_scratch_numel`` sizes them) and merges them into ``out``. ``tiles``:
-    the launch's tiles (None: ``decode_tiles`` for this device).
+    the launch's tiles (None: ``decode_tiles`` for this device); ``tiles.wgmma`` runs the
+    Hopper warpgroup-MMA kernel (``triton_mla.wgmma``) where these tensors allow it.
     """
     rows, num_heads, lora = q_nope.shape
     rope = q_pe.shape[2]
@@ -67,17 +91,24 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         partial_out = partial_lse = out
     dot_fp32 = q_nope.device.type != "cuda" or q_nope.dtype == torch.float32
     if tiles is None:
-        tiles = decode_tiles(num_heads, lora, device_smem_bytes(q_nope.device))
-    grid = (num_reqs, -(-num_heads // tiles.block_h), num_splits)
-    _DECODE[grid](
-        q_nope, q_pe, kv_cache, out, partial_out, partial_lse,
-        query_start_loc, seq_lens, block_table, kv_scale if fp8 else out,
-        float(softmax_scale), num_heads, rows,
-        *q_nope.stride(), *q_pe.stride(), *kv_cache.stride(), *out.stride(), block_table.stride(0),
-        LORA=lora, LORA_PAD=lora_pad, ROPE=rope, ROPE_PAD=_pad(rope), PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, KV_FP8=fp8, DOT_FP32=dot_fp32,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+        tiles = decode_tiles(num_heads, lora, device_smem_bytes(q_nope.device),
+                             capability=device_capability(q_nope.device))
+    wgmma = _wgmma() if tiles.wgmma and not fp8 else None
+    if wgmma is not None and wgmma.wgmma_unsupported(q_nope, q_pe, kv_cache, out) is None:
+        wgmma.mla_decode_wgmma(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                               block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
+                               partial_out=partial_out, partial_lse=partial_lse)
+    else:
+        grid = (num_reqs, -(-num_heads // tiles.block_h), num_splits)
+        _DECODE[grid](
+            q_nope, q_pe, kv_cache, out, partial_out, partial_lse,
+            query_start_loc, seq_lens, block_table, kv_scale if fp8 else out,
+            float(softmax_scale), num_heads, rows,
+            *q_nope.stride(), *q_pe.stride(), *kv_cache.stride(), *out.stride(), block_table.stride(0),
+            LORA=lora, LORA_PAD=lora_pad, ROPE=rope, ROPE_PAD=_pad(rope), PAGE_SIZE=kv_cache.shape[1],
+            BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits, KV_FP8=fp8, DOT_FP32=dot_fp32,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
     if num_splits > 1:
         _COMBINE[(rows, num_heads)](
             out, partial_out, partial_lse, num_heads, rows, *out.stride(),
