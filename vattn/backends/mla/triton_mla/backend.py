@@ -2,7 +2,7 @@
 
 | feature | support |
 | --- | --- |
-| decode | absorbed, split-KV over the paged latent (``_mla_decode_kernel`` + ``_mla_combine_kernel``) |
+| decode | absorbed, split-KV over the paged latent (``_mla_decode_kernel`` + ``_mla_combine_kernel``); on sm_90 with more than 16 heads of a 512 + 64 bf16 / fp16 latent, the warpgroup-MMA kernel (``wgmma``) |
 | prefill | up-projected, ragged, causal over new tokens and chunked over cached context (``_mla_prefill_kernel``) |
 | latent sizes | any ``kv_lora_rank`` / ``qk_rope_head_dim`` (computed padded to powers of two) |
 | block sizes | any (the kernels read the block table per token) |
