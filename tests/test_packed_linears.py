@@ -180,14 +180,15 @@ def test_groups_survive_a_saved_trace(tmp_path) -> None:
 
 
 class _CountMM(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the matrix multiplications dispatched (what a GEMM launch is)."""
+    """Counts the matrix multiplications dispatched (what a GEMM launch is; ``linear`` where a
+    mode sees it undecomposed)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.linear):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -251,3 +252,19 @@ def test_packed_group_with_grad_or_unpacked_runs_member_by_member() -> None:
         block.gate_proj.bias = nn.Parameter(torch.randn(48, dtype=torch.float64))  # a bias added later is used
         plain.gate_proj.bias = nn.Parameter(block.gate_proj.bias.detach().clone())
         torch.testing.assert_close(block(x.double()), plain(x.double()))
+
+
+def test_packed_group_under_inference_mode_runs_member_by_member() -> None:
+    """Inference tensors keep no version counter: each member runs its own GEMM, and no call fails."""
+    torch.manual_seed(5)
+    block, plain = Block(), Block()
+    plain.load_state_dict(block.state_dict())
+    pack_linear_weights(block)
+    with torch.inference_mode():
+        x = torch.randn(4, 32)
+        with _CountMM() as mm:
+            got = block(x)
+        with _CountMM() as mm_plain:
+            want = plain(x)
+        assert mm.count == mm_plain.count > 0  # six linears each (inference mode may dispatch linear undecomposed)
+        torch.testing.assert_close(got, want)

@@ -250,16 +250,17 @@ class _EagerGroup:
 
 class PackedLinear(nn.Linear):
     """A bias-free ``nn.Linear`` whose weight ``pack_linear_weights`` packed with its siblings'
-    (same parameters and state dict as before). Eager inference runs the group as one GEMM
-    (module docstring); with grad enabled, under ``torch.compile`` (where ``rewrite`` does
-    it) or once the packing is undone, it is a plain ``nn.Linear``."""
+    (same parameters and state dict as before). Eager inference under ``torch.no_grad`` runs
+    the group as one GEMM (module docstring); with grad enabled, on ``torch.inference_mode``
+    tensors (no version counter to tell an input changed in place), under ``torch.compile``
+    (where ``rewrite`` does it) or once the packing is undone, it is a plain ``nn.Linear``."""
 
     _vattn_group: _EagerGroup
     _vattn_index: int
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or torch.is_grad_enabled():
-            return F.linear(input, self.weight, self.bias)
+        if torch.compiler.is_compiling() or torch.is_grad_enabled() or input.is_inference():
+            return F.linear(input, self.weight, self.bias)  # inference tensors keep no version counter
         return self._vattn_group.output(self._vattn_index, input)
 
     def extra_repr(self) -> str:
