@@ -41,7 +41,7 @@ def _wgmma() -> Any:
     """``triton_mla.wgmma`` (Gluon), or None where this Triton has no Gluon for Hopper (the Triton kernel runs)."""
     try:
         from vattn.backends.mla.triton_mla import wgmma
-    except ImportError as e:
+    except (ImportError, AttributeError) as e:  # no Gluon, or one without the names the kernel uses
         logger.info("TRITON_MLA: no warpgroup-MMA decode (%s); the Triton kernel runs", e)
         return None
     return wgmma
@@ -93,7 +93,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     if tiles is None:
         tiles = decode_tiles(num_heads, lora, device_smem_bytes(q_nope.device),
                              capability=device_capability(q_nope.device))
-    wgmma = _wgmma() if tiles.wgmma and not fp8 else None
+    wgmma = _wgmma() if tiles.wgmma and not fp8 and q_nope.is_cuda else None
     if wgmma is not None and wgmma.wgmma_unsupported(q_nope, q_pe, kv_cache, out) is None:
         wgmma.mla_decode_wgmma(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
