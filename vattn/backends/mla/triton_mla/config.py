@@ -73,17 +73,16 @@ def decode_tiles(num_heads: int, kv_lora_rank: int, smem_bytes: int = 0, *, capa
     return DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=wgmma)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
-
-
 def device_capability(device: torch.device | str) -> tuple[int, int]:
-    """(major, minor) compute capability of a CUDA ``device``; (0, 0) elsewhere; cached."""
+    """(major, minor) compute capability of a CUDA ``device`` (``current_platform``'s); (0, 0) elsewhere."""
+    from vattn.platform import current_platform
+
     device = torch.device(device)
     if device.type != "cuda":
         return (0, 0)
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = current_platform.get_device_capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device())
+    return (0, 0) if cap is None else (cap.major, cap.minor)
 
 
 @functools.lru_cache(maxsize=None)
