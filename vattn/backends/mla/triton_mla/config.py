@@ -43,6 +43,10 @@ class DecodeTiles:
     """Hopper: launch the warpgroup-MMA kernel (``triton_mla.wgmma``) where the tensors allow it
     (bf16 / fp16, latent 512 + RoPE 64), else the Triton kernel with these tiles; its split
     count targets one wave of programs (``decode_num_splits(one_wave=True)``)."""
+    seesaw: bool = False
+    """With ``wgmma``: launch the warp-specialized kernel (``triton_mla.seesaw``) for launches
+    without splits where the cache allows it (pages of a multiple of 64 rows), else the
+    warpgroup-MMA kernel."""
 
 
 #: Shared memory per block (bytes) the large tiles need: Hopper's 227 KiB, not Ampere's 164.
@@ -70,7 +74,7 @@ def decode_tiles(num_heads: int, kv_lora_rank: int, smem_bytes: int = 0, *, capa
     if num_heads <= 16:
         return DecodeTiles(block_h=16, block_n=64, num_warps=4, num_stages=2)
     wgmma = capability[0] == 9 and kv_lora_rank == WGMMA_LORA
-    return DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=wgmma)
+    return DecodeTiles(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=wgmma, seesaw=wgmma)
 
 
 def device_capability(device: torch.device | str) -> tuple[int, int]:

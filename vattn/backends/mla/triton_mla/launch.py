@@ -47,6 +47,17 @@ def _wgmma() -> Any:
     return wgmma
 
 
+@functools.lru_cache(maxsize=None)
+def _seesaw() -> Any:
+    """``triton_mla.seesaw`` (Gluon, warp-specialized), or None where this Triton lacks what it uses."""
+    try:
+        from vattn.backends.mla.triton_mla import seesaw
+    except (ImportError, AttributeError) as e:
+        logger.info("TRITON_MLA: no warp-specialized decode (%s); the warpgroup-MMA kernel runs", e)
+        return None
+    return seesaw
+
+
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                softmax_scale: float, kv_lora_rank: int, num_splits: int = 1, kv_scale: torch.Tensor | None = None,
@@ -66,7 +77,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     ``num_splits > 1`` writes fp32 partials into ``partial_out`` / ``partial_lse`` (allocated when
     not given; ``split_scratch_numel`` sizes them) and merges them into ``out``. ``tiles``:
     the launch's tiles (None: ``decode_tiles`` for this device); ``tiles.wgmma`` runs the
-    Hopper warpgroup-MMA kernel (``triton_mla.wgmma``) where these tensors allow it.
+    Hopper warpgroup-MMA kernel (``triton_mla.wgmma``) where these tensors allow it, and
+    ``tiles.seesaw`` the warp-specialized one (``triton_mla.seesaw``) for launches without
+    splits where the cache allows it.
     """
     rows, num_heads, lora = q_nope.shape
     rope = q_pe.shape[2]
@@ -94,7 +107,12 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         tiles = decode_tiles(num_heads, lora, device_smem_bytes(q_nope.device),
                              capability=device_capability(q_nope.device))
     wgmma = _wgmma() if tiles.wgmma and not fp8 and q_nope.is_cuda else None
-    if wgmma is not None and wgmma.wgmma_unsupported(q_nope, q_pe, kv_cache, out) is None:
+    seesaw = _seesaw() if wgmma is not None and tiles.seesaw and num_splits == 1 else None
+    if seesaw is not None and seesaw.seesaw_unsupported(q_nope, q_pe, kv_cache, out) is None:
+        seesaw.mla_decode_seesaw(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                 block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
+                                 partial_out=partial_out, partial_lse=partial_lse)
+    elif wgmma is not None and wgmma.wgmma_unsupported(q_nope, q_pe, kv_cache, out) is None:
         wgmma.mla_decode_wgmma(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
                                partial_out=partial_out, partial_lse=partial_lse)

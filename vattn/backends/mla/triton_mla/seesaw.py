@@ -1,0 +1,363 @@
+"""TRITON_MLA's absorbed decode on Hopper with two warp-specialized warpgroups ("seesaw" order), in Gluon.
+
+``wgmma.py`` runs both warpgroups through one instruction stream: every tile waits for its
+loads, its score MMA, a softmax whose row maxima cross the two warpgroups, and its PV MMA,
+one after the other. Here the two warpgroups run their own streams (``gl.warp_specialize``)
+over tiles taken in pairs, the schedule of FlashMLA's write-up ("seesaw"):
+
+* warpgroup 0 owns the left half of the output ``O_L = O[:, :256]`` (fp32, 128 registers a
+  thread) and computes the scores of the pair's first tile; warpgroup 1 owns ``O_R`` and the
+  second tile. Each score tile (64 heads, 64 keys) lies in one warpgroup, so row maxima and
+  sums stay inside it.
+* Per pair ``(K0, K1)`` with running max ``m`` (log2 domain): [0] ``S0 = Q K0^T``,
+  ``m0 = max(m, rowmax S0)``, ``P0 = exp2(S0 - m0)``, ``O_L = O_L 2^(m - m0) + P0 V0_L``;
+  [1] ``S1 = Q K1^T``, ``m1 = max(m0, rowmax S1)``, ``P1 = exp2(S1 - m1)``,
+  ``O_R = (O_R 2^(m - m0) + P0 V0_R) 2^(m0 - m1) + P1 V1_R``; [0] ``O_L = O_L 2^(m0 - m1) + P1 V1_L``.
+  ``m0``, ``m1`` and each ``P`` (bf16) cross through shared memory under mbarriers; a ``P``
+  takes the place of its tile's RoPE columns, which only the score MMA reads. Row sums run per
+  warpgroup and are added at the end.
+* Latent tiles (``c`` as two 256-wide halves, and ``k_pe``) come in by TMA, one page a tile,
+  into two buffers; each part is reloaded by the warpgroup that reads it last, as soon as it is
+  done (the left half of ``K0`` right after ``P0 V0_L``), and the score MMA takes the parts in
+  the order they arrive.
+
+Needs pages of a multiple of ``BLOCK_N`` rows (a tile is one TMA box) and a cache whose rows
+are evenly spaced; ``seesaw_unsupported`` says when a call cannot take it. Grid, partial
+outputs and LSE as ``wgmma.py`` (``kernels._mla_combine_kernel`` merges splits). The kernel
+pays for its pipeline once per program, so ``launch.mla_decode`` takes it only for launches
+without splits (long keys per program); with splits the warpgroup-MMA kernel runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from vattn.backends.mla.triton_mla.wgmma import BLOCK_H, BLOCK_N, LORA, ROPE, wgmma_unsupported
+
+__all__ = ["mla_decode_seesaw", "seesaw_unsupported"]
+
+HALF = LORA // 2
+"""Latent columns a warpgroup accumulates (its half of the output)."""
+WORKER_REGS = 240
+LOG2E = 1.4426950408889634
+
+# Names that changed across the Triton versions vattn supports: TMA loads (3.6:
+# ``async_copy_global_to_shared``, later ``async_load``) and ``warp_specialize`` (3.6 takes the
+# default partition's arguments and function, then the workers'; later a list of pairs).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_WS_PAIRS = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+
+# mbarrier slots: the TMA "ready" barriers of buffer b's parts (L, R, E), then the hand-offs.
+_M0, _S1, _P0, _P1, _L0, _L1 = 6, 7, 8, 9, 10, 11
+_NUM_BARS = 12
+# The same values as constexpr globals, which Gluon functions may read.
+_BLOCK_H_C = gl.constexpr(BLOCK_H)
+_BLOCK_N_C = gl.constexpr(BLOCK_N)
+_HALF_C = gl.constexpr(HALF)
+_LORA_C = gl.constexpr(LORA)
+_ROPE_C = gl.constexpr(ROPE)
+_WORKER_REGS_C = gl.constexpr(WORKER_REGS)
+_M0_C = gl.constexpr(_M0)
+_S1_C = gl.constexpr(_S1)
+_P0_C = gl.constexpr(_P0)
+_P1_C = gl.constexpr(_P1)
+_L0_C = gl.constexpr(_L0)
+_L1_C = gl.constexpr(_L1)
+_NUM_BARS_C = gl.constexpr(_NUM_BARS)
+
+
+@gluon.jit
+def _block(bt_row, n, ok, PAGE: gl.constexpr):
+    """The block holding key ``n`` (0 where not ``ok``). Loaded before the MMA that precedes its
+    TMA copies, so the block-table read overlaps the MMA."""
+    return gl.load(bt_row + n // PAGE, mask=ok, other=0)
+
+
+@gluon.jit
+def _issue(desc, buf, bar, blk, n, col, PAGE: gl.constexpr):
+    """TMA the tile of keys ``[n, n + BLOCK_N)`` (in block ``blk``), columns ``[col, col + width)``,
+    into ``buf``; ``bar`` completes when it lands."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    _tma_load(desc, [blk * PAGE + n % PAGE, col], bar, buf)
+
+
+@gluon.jit
+def _zero_tail(buf, valid, num_warps: gl.constexpr):
+    """Zero the rows from ``valid`` on of a (BLOCK_N, HALF) tile (memory past a request's end may
+    hold NaN, and 0 * NaN is NaN in the PV MMA), 16 rows at a time to spare registers."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    for r0 in gl.static_range(0, _BLOCK_N_C, 16):
+        part = buf.slice(r0, 16)
+        x = part.load(ld)
+        rows = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, ld))
+        part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+    fence_async_shared()
+
+
+@gluon.jit
+def _scores(ql, qr, qp, cl, cr, ce, bars, b: gl.constexpr, phase, n0, end, sm_scale_log2,
+            s_layout: gl.constexpr, num_warps: gl.constexpr):
+    """S = Q K^T of buffer ``b``'s tile in the log2 domain (keys past ``end`` -inf), the parts
+    taken as their TMA copies land."""
+    if n0 + _BLOCK_N_C > end:  # the request's last, partial tile: zero what lies past its end
+        mbarrier.wait(bars.index(3 * b), phase)
+        mbarrier.wait(bars.index(3 * b + 1), phase)
+        _zero_tail(cl, end - n0, num_warps)
+        _zero_tail(cr, end - n0, num_warps)
+    s = gl.zeros([_BLOCK_H_C, _BLOCK_N_C], gl.float32, layout=s_layout)
+    mbarrier.wait(bars.index(3 * b), phase)
+    s = warpgroup_mma(ql, cl.permute((1, 0)), s, use_acc=False, is_async=True)
+    mbarrier.wait(bars.index(3 * b + 1), phase)
+    s = warpgroup_mma(qr, cr.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(bars.index(3 * b + 2), phase)
+    s = warpgroup_mma(qp, ce.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    offs_n = n0 + gl.arange(0, _BLOCK_N_C, layout=gl.SliceLayout(0, s_layout))
+    return gl.where((offs_n < end)[None, :], s * sm_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _finish(acc, m_i, l_i, l_other, col0: gl.constexpr, write_lse: gl.constexpr, out_ptr, part_o_ptr, part_lse_ptr,
+            row64, hg, split, num_heads, num_rows, stride_ot, stride_oh, s_layout: gl.constexpr,
+            o_layout: gl.constexpr):
+    """Normalize this warpgroup's half of O and store it (with splits: the partial and its LSE).
+
+    The split count is read from the grid: Triton 3.6 passes the partitions' constexpr arguments
+    as constants, and a branch on one leaves a dead block its LLVM lowering cannot analyze."""
+    l = l_i + l_other
+    has = l > 0.0
+    l_o = gl.convert_layout(gl.where(has, l, 1.0), gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    offs_h = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, o_layout))
+    offs_l = col0 + gl.arange(0, _HALF_C, layout=gl.SliceLayout(0, o_layout))
+    h_ok = offs_h < num_heads
+    if gl.num_programs(2) == 1:
+        gl.store(out_ptr + row64 * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh + offs_l[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    else:
+        slot = (split * num_rows + row64) * num_heads + offs_h  # (split, row, head)
+        gl.store(part_o_ptr + slot[:, None] * _LORA_C + offs_l[None, :], o, mask=h_ok[:, None])
+        if write_lse:
+            offs_hs = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
+            slot_s = (split * num_rows + row64) * num_heads + offs_hs
+            lse = gl.where(has, (m_i + gl.log2(gl.where(has, l, 1.0))) / 1.4426950408889634, float("-inf"))
+            gl.store(part_lse_ptr + slot_s, lse, mask=offs_hs < num_heads)
+
+
+@gluon.jit
+def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, start, end, n_tiles, sm_scale_log2,
+                out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows, stride_ot, stride_oh,
+                PAGE: gl.constexpr):
+    """Tile 0 of each pair, and ``O_L``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N_C, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HALF_C, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = ql.dtype
+    m_i = gl.full([_BLOCK_H_C], float("-inf"), gl.float32, layout=rows)
+    l_i = gl.zeros([_BLOCK_H_C], gl.float32, layout=rows)
+    acc = gl.zeros([_BLOCK_H_C, _HALF_C], gl.float32, layout=o_layout)
+    for j in range(0, (n_tiles + 1) // 2):
+        phase = j & 1
+        n0 = start + 2 * j * _BLOCK_N_C
+        s = _scores(ql, qr, qp, cl.index(0), cr.index(0), ce.index(0), bars, 0, phase, n0, end, sm_scale_log2,
+                    s_layout, 4)
+        m0 = gl.maximum(m_i, gl.max(s, axis=1))
+        stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).store(m0)
+        mbarrier.arrive(bars.index(_M0_C), count=1)
+        alpha = gl.exp2(m_i - m0)
+        p = gl.exp2(s - m0[:, None]).to(dtype)
+        ce.index(0).store(p)  # P0 for warpgroup 1, in the RoPE columns S0 has read
+        fence_async_shared()
+        mbarrier.arrive(bars.index(_P0_C), count=1)
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        blk2 = _block(bt_row, n0 + 2 * _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), cl.index(0), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if 2 * j + 2 < n_tiles:  # V0_L read: the next pair's first tile, left half
+            _issue(desc_c, cl.index(0), bars.index(0), blk2, n0 + 2 * _BLOCK_N_C, 0, PAGE)
+        mbarrier.wait(bars.index(_S1_C), phase)
+        m1 = stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).load(rows)
+        scale1 = gl.exp2(m0 - m1)
+        l_i = l_i * scale1
+        acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, o_layout))[:, None]
+        m_i = m1
+        blk3 = _block(bt_row, n0 + 3 * _BLOCK_N_C, 2 * j + 3 < n_tiles, PAGE)
+        mbarrier.wait(bars.index(_P1_C), phase)
+        if 2 * j + 1 < n_tiles:
+            acc = warpgroup_mma(ce.index(1), cl.index(1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if 2 * j + 3 < n_tiles:  # V1_L and P1 read: the next pair's second tile, left half and RoPE
+            _issue(desc_c, cl.index(1), bars.index(3), blk3, n0 + 3 * _BLOCK_N_C, 0, PAGE)
+            _issue(desc_e, ce.index(1), bars.index(5), blk3, n0 + 3 * _BLOCK_N_C, _LORA_C, PAGE)
+    stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
+    mbarrier.arrive(bars.index(_L0_C), count=1)
+    mbarrier.wait(bars.index(_L1_C), 0)
+    _finish(acc, m_i, l_i, stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).load(rows), 0, True, out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split,
+            num_heads, num_rows, stride_ot, stride_oh, s_layout, o_layout)
+
+
+@gluon.jit
+def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, start, end, n_tiles, sm_scale_log2,
+                out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows, stride_ot, stride_oh,
+                PAGE: gl.constexpr):
+    """Tile 1 of each pair, and ``O_R``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N_C, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HALF_C, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = ql.dtype
+    m_i = gl.full([_BLOCK_H_C], float("-inf"), gl.float32, layout=rows)
+    l_i = gl.zeros([_BLOCK_H_C], gl.float32, layout=rows)
+    acc = gl.zeros([_BLOCK_H_C, _HALF_C], gl.float32, layout=o_layout)
+    for j in range(0, (n_tiles + 1) // 2):
+        phase = j & 1
+        n1 = start + (2 * j + 1) * _BLOCK_N_C
+        has1 = 2 * j + 1 < n_tiles
+        if has1:
+            s = _scores(ql, qr, qp, cl.index(1), cr.index(1), ce.index(1), bars, 1, phase, n1, end, sm_scale_log2,
+                        s_layout, 4)
+        else:
+            s = gl.full([_BLOCK_H_C, _BLOCK_N_C], float("-inf"), gl.float32, layout=s_layout)
+        mbarrier.wait(bars.index(_M0_C), phase)
+        m0 = stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).load(rows)
+        m1 = gl.maximum(m0, gl.max(s, axis=1))
+        stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).store(m1)
+        mbarrier.arrive(bars.index(_S1_C), count=1)
+        p = gl.exp2(s - m1[:, None]).to(dtype)
+        ce.index(1).store(p)  # P1 for warpgroup 0, in the RoPE columns S1 has read
+        fence_async_shared()
+        mbarrier.arrive(bars.index(_P1_C), count=1)
+        l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p.to(gl.float32), axis=1)
+        # O_R = (O_R e^(m - m0) + P0 V0_R) e^(m0 - m1) + P1 V1_R: P0 as warpgroup 0 wrote it
+        acc = acc * gl.convert_layout(gl.exp2(m_i - m0), gl.SliceLayout(1, o_layout))[:, None]
+        blk2 = _block(bt_row, n1 + _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
+        mbarrier.wait(bars.index(_P0_C), phase)
+        acc = warpgroup_mma(ce.index(0), cr.index(0), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if 2 * j + 2 < n_tiles:  # V0_R and P0 read: the next pair's first tile, right half and RoPE
+            _issue(desc_c, cr.index(0), bars.index(1), blk2, n1 + _BLOCK_N_C, _HALF_C, PAGE)
+            _issue(desc_e, ce.index(0), bars.index(2), blk2, n1 + _BLOCK_N_C, _LORA_C, PAGE)
+        acc = acc * gl.convert_layout(gl.exp2(m0 - m1), gl.SliceLayout(1, o_layout))[:, None]
+        m_i = m1
+        if has1:
+            blk3 = _block(bt_row, n1 + 2 * _BLOCK_N_C, 2 * j + 3 < n_tiles, PAGE)
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), cr.index(1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if 2 * j + 3 < n_tiles:  # V1_R read: the next pair's second tile, right half
+                _issue(desc_c, cr.index(1), bars.index(4), blk3, n1 + 2 * _BLOCK_N_C, _HALF_C, PAGE)
+    stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
+    mbarrier.arrive(bars.index(_L1_C), count=1)
+    mbarrier.wait(bars.index(_L0_C), 0)
+    _finish(acc, m_i, l_i, stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).load(rows), _HALF_C, False, out_ptr, part_o_ptr, part_lse_ptr, row64, hg,
+            split, num_heads, num_rows, stride_ot, stride_oh, s_layout, o_layout)
+
+
+@gluon.jit
+def _mla_decode_seesaw_kernel(
+    q_nope_ptr, q_pe_ptr, desc_c, desc_e, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    sm_scale_log2, num_heads, num_rows, stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, stride_bt,
+    PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr, WS_PAIRS: gl.constexpr, num_warps: gl.constexpr,
+):
+    b = gl.program_id(0)
+    hg = gl.program_id(1)
+    split = gl.program_id(2)
+    row = gl.load(qsl_ptr + b)
+    if gl.load(qsl_ptr + b + 1) == row:
+        return  # a padding request without a query row
+    seq_len = gl.load(seq_lens_ptr + b)
+    row64 = row.to(gl.int64)
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    cl = gl.allocate_shared_memory(dtype, [2, _BLOCK_N_C, _HALF_C], smem)
+    cr = gl.allocate_shared_memory(dtype, [2, _BLOCK_N_C, _HALF_C], smem)
+    ce = gl.allocate_shared_memory(dtype, [2, _BLOCK_N_C, _ROPE_C], smem)
+    stats = gl.allocate_shared_memory(gl.float32, [4 * _BLOCK_H_C], plain)  # m0, m1, l0, l1
+    bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS_C, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_NUM_BARS_C):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+
+    # This split's keys; the grid depends on static sizes only (CUDA-graph safe).
+    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + _BLOCK_N_C - 1) // _BLOCK_N_C * _BLOCK_N_C
+    start = split * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    n_tiles = gl.maximum(end - start + _BLOCK_N_C - 1, 0) // _BLOCK_N_C
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    for t in gl.static_range(2):  # the first pair's loads go out before the query is read
+        if t < n_tiles:
+            n = start + t * _BLOCK_N_C
+            blk = gl.load(bt_row + n // PAGE)
+            _issue(desc_c, cl.index(t), bars.index(3 * t), blk, n, 0, PAGE)
+            _issue(desc_c, cr.index(t), bars.index(3 * t + 1), blk, n, _HALF_C, PAGE)
+            _issue(desc_e, ce.index(t), bars.index(3 * t + 2), blk, n, _LORA_C, PAGE)
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    offs_h = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, ld))
+    h_ok = (offs_h < num_heads)[:, None]
+    q_rows = q_nope_ptr + row64 * stride_qt + offs_h[:, None].to(gl.int64) * stride_qh
+    offs_c = gl.arange(0, _HALF_C, layout=gl.SliceLayout(0, ld))
+    ql = gl.allocate_shared_memory(dtype, [_BLOCK_H_C, _HALF_C], smem, gl.load(q_rows + offs_c[None, :], mask=h_ok, other=0.0))
+    qr = gl.allocate_shared_memory(dtype, [_BLOCK_H_C, _HALF_C], smem,
+                                   gl.load(q_rows + _HALF_C + offs_c[None, :], mask=h_ok, other=0.0))
+    offs_r = gl.arange(0, _ROPE_C, layout=gl.SliceLayout(0, ld))
+    qp = gl.allocate_shared_memory(dtype, [_BLOCK_H_C, _ROPE_C], smem, gl.load(
+        q_pe_ptr + row64 * stride_pt + offs_h[:, None].to(gl.int64) * stride_ph + offs_r[None, :], mask=h_ok, other=0.0))
+    fence_async_shared()
+
+    args = (ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, start, end, n_tiles, sm_scale_log2,
+            out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows, stride_ot, stride_oh, PAGE)
+    if WS_PAIRS:
+        gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args)], [4], [_WORKER_REGS_C])
+    else:
+        gl.warp_specialize(args, _warpgroup0, args, [_warpgroup1], [4], [_WORKER_REGS_C])
+
+
+def seesaw_unsupported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> str | None:
+    """Why these tensors cannot take the kernel (None: they can). The caller checks the device."""
+    why = wgmma_unsupported(q_nope, q_pe, kv_cache, out)
+    if why is not None:
+        return why
+    page = kv_cache.shape[1]
+    if page % BLOCK_N:
+        return f"needs pages of a multiple of {BLOCK_N} rows (one TMA box a tile), got {page}"
+    if kv_cache.stride(0) != page * kv_cache.stride(1):
+        return "needs evenly spaced latent rows (a cache block's stride equal to page size x row stride)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout() -> object:
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def mla_decode_seesaw(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      softmax_scale: float, num_splits: int, partial_out: torch.Tensor,
+                      partial_lse: torch.Tensor) -> None:
+    """Launch the kernel (shapes as ``launch.mla_decode``; ``seesaw_unsupported`` is None for these
+    tensors). With ``num_splits > 1`` it writes ``partial_out`` / ``partial_lse`` for the combine."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, num_heads, _ = q_nope.shape
+    num_blocks, page, width = kv_cache.shape
+    shape, strides = [num_blocks * page, width], [kv_cache.stride(1), 1]
+    desc_c = TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, HALF], _smem_layout())
+    desc_e = TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, ROPE], _smem_layout())
+    grid = (seq_lens.shape[0], -(-num_heads // BLOCK_H), num_splits)
+    _mla_decode_seesaw_kernel[grid](
+        q_nope, q_pe, desc_c, desc_e, out, partial_out, partial_lse, query_start_loc, seq_lens, block_table,
+        float(softmax_scale) * LOG2E, num_heads, rows,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0),
+        PAGE=page, NUM_SPLITS=num_splits, WS_PAIRS=_WS_PAIRS, num_warps=4,
+    )
