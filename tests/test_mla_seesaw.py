@@ -18,6 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_mla_wgmma import _reference, compiled_smem_in_child  # noqa: E402  (shared with the wgmma tests)
+
 from vattn.backends.mla.triton_mla import config as cfg  # noqa: E402
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -86,24 +88,9 @@ print(json.dumps({"shared": compiled.metadata.shared}))
 
 @pytest.mark.parametrize("page,splits,dtype", [(64, 1, "bf16"), (128, 4, "fp16")])
 def test_kernel_compiles_for_sm90(page: int, splits: int, dtype: str) -> None:
-    """Compiled for sm_90 by the installed Triton (no GPU needed; in a child process, which keeps
-    Triton's exit-time binding messages out of this one): it fits Hopper's shared memory."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    """Compiled for sm_90 by the installed Triton (no GPU needed): it fits Hopper's shared memory."""
     _seesaw()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # Gluon compiles; it never interprets
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(page), str(splits), dtype], capture_output=True,
-                         text=True, env=env, timeout=300)
-    if run.returncode != 0 and "GluonASTSource" in run.stderr and "ImportError" in run.stderr:
-        pytest.skip("this Triton compiles Gluon through another interface")
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])["shared"]
-    assert shared <= HOPPER_SMEM
+    assert compiled_smem_in_child(_COMPILE, page, splits, dtype) <= HOPPER_SMEM
 
 
 # ---- sm_90 ----------------------------------------------------------------------------------------
@@ -133,15 +120,6 @@ def _inputs(heads: int, page: int, dtype: torch.dtype, seed: int):  # noqa: ANN2
     qsl = torch.tensor(list(range(rows + 1)) + [rows], dtype=torch.int32, device=dev)
     return (q_nope, q_pe, cache.to(dev, dtype), qsl, torch.tensor(lens, dtype=torch.int32, device=dev),
             table.to(dev), lens)
-
-
-def _reference(q_nope, q_pe, cache, table, lens, scale):  # noqa: ANN001, ANN202
-    out = []
-    for r in range(q_nope.shape[0]):
-        lat = cache[table[r].long()].reshape(-1, 576)[: lens[r]].float()
-        s = (q_nope[r].float() @ lat[:, :512].T + q_pe[r].float() @ lat[:, 512:].T) * scale
-        out.append(s.softmax(-1) @ lat[:, :512])
-    return torch.stack(out)
 
 
 @pytest.mark.cuda

@@ -68,10 +68,10 @@ print(json.dumps({"shared": compiled.metadata.shared}))
 """
 
 
-@pytest.mark.parametrize("page,splits,dtype", [(64, 1, "bf16"), (16, 4, "fp16")])
-def test_kernel_compiles_for_sm90(page: int, splits: int, dtype: str) -> None:
-    """Compiled for sm_90 by the installed Triton (no GPU needed; a child process, which keeps
-    Triton's exit-time binding messages out of this one): it fits Hopper's shared memory."""
+def compiled_smem_in_child(script: str, *args: object) -> int:
+    """Run a script that compiles a Gluon kernel for sm_90 and prints ``{"shared": bytes}`` last,
+    in a child process (which keeps Triton's exit-time binding messages out of this one); skip
+    where this Triton compiles Gluon through another interface. Returns the shared memory."""
     import json
     import os
     import subprocess
@@ -81,13 +81,18 @@ def test_kernel_compiles_for_sm90(page: int, splits: int, dtype: str) -> None:
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # Gluon compiles; it never interprets
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(page), str(splits), dtype], capture_output=True,
-                         text=True, env=env, timeout=300)
+    run = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
+                         timeout=300)
     if run.returncode != 0 and "GluonASTSource" in run.stderr and "ImportError" in run.stderr:
         pytest.skip("this Triton compiles Gluon through another interface")
     assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])["shared"]
-    assert shared <= HOPPER_SMEM
+    return json.loads(run.stdout.strip().splitlines()[-1])["shared"]
+
+
+@pytest.mark.parametrize("page,splits,dtype", [(64, 1, "bf16"), (16, 4, "fp16")])
+def test_kernel_compiles_for_sm90(page: int, splits: int, dtype: str) -> None:
+    """Compiled for sm_90 by the installed Triton (no GPU needed): it fits Hopper's shared memory."""
+    assert compiled_smem_in_child(_COMPILE, page, splits, dtype) <= HOPPER_SMEM
 
 
 # ---- sm_90 ----------------------------------------------------------------------------------------

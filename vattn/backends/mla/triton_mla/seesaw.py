@@ -70,6 +70,12 @@ _P1_C = gl.constexpr(_P1)
 _L0_C = gl.constexpr(_L0)
 _L1_C = gl.constexpr(_L1)
 _NUM_BARS_C = gl.constexpr(_NUM_BARS)
+# One warpgroup's MMA layouts: a score tile (64 heads, 64 keys), its half of O (64, 256), P as
+# the A operand of O's MMA, and a row (head) vector of the score tile.
+_S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]))
+_O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]))
+_P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT.value, k_width=2))
+_ROWS = gl.constexpr(gl.SliceLayout(1, _S_LAYOUT.value))
 
 
 @gluon.jit
@@ -102,7 +108,7 @@ def _zero_tail(buf, valid, num_warps: gl.constexpr):
 
 @gluon.jit
 def _scores(ql, qr, qp, cl, cr, ce, bars, b: gl.constexpr, phase, n0, end, sm_scale_log2,
-            s_layout: gl.constexpr, num_warps: gl.constexpr):
+            num_warps: gl.constexpr):
     """S = Q K^T of buffer ``b``'s tile in the log2 domain (keys past ``end`` -inf), the parts
     taken as their TMA copies land."""
     if n0 + _BLOCK_N_C > end:  # the request's last, partial tile: zero what lies past its end
@@ -110,7 +116,7 @@ def _scores(ql, qr, qp, cl, cr, ce, bars, b: gl.constexpr, phase, n0, end, sm_sc
         mbarrier.wait(bars.index(3 * b + 1), phase)
         _zero_tail(cl, end - n0, num_warps)
         _zero_tail(cr, end - n0, num_warps)
-    s = gl.zeros([_BLOCK_H_C, _BLOCK_N_C], gl.float32, layout=s_layout)
+    s = gl.zeros([_BLOCK_H_C, _BLOCK_N_C], gl.float32, layout=_S_LAYOUT)
     mbarrier.wait(bars.index(3 * b), phase)
     s = warpgroup_mma(ql, cl.permute((1, 0)), s, use_acc=False, is_async=True)
     mbarrier.wait(bars.index(3 * b + 1), phase)
@@ -118,24 +124,23 @@ def _scores(ql, qr, qp, cl, cr, ce, bars, b: gl.constexpr, phase, n0, end, sm_sc
     mbarrier.wait(bars.index(3 * b + 2), phase)
     s = warpgroup_mma(qp, ce.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    offs_n = n0 + gl.arange(0, _BLOCK_N_C, layout=gl.SliceLayout(0, s_layout))
+    offs_n = n0 + gl.arange(0, _BLOCK_N_C, layout=gl.SliceLayout(0, _S_LAYOUT))
     return gl.where((offs_n < end)[None, :], s * sm_scale_log2, float("-inf"))
 
 
 @gluon.jit
 def _finish(acc, m_i, l_i, l_other, col0: gl.constexpr, write_lse: gl.constexpr, out_ptr, part_o_ptr, part_lse_ptr,
-            row64, hg, split, num_heads, num_rows, stride_ot, stride_oh, s_layout: gl.constexpr,
-            o_layout: gl.constexpr):
+            row64, hg, split, num_heads, num_rows, stride_ot, stride_oh):
     """Normalize this warpgroup's half of O and store it (with splits: the partial and its LSE).
 
     The split count is read from the grid: Triton 3.6 passes the partitions' constexpr arguments
     as constants, and a branch on one leaves a dead block its LLVM lowering cannot analyze."""
     l = l_i + l_other
     has = l > 0.0
-    l_o = gl.convert_layout(gl.where(has, l, 1.0), gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(gl.where(has, l, 1.0), gl.SliceLayout(1, _O_LAYOUT))
     o = acc / l_o[:, None]
-    offs_h = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, o_layout))
-    offs_l = col0 + gl.arange(0, _HALF_C, layout=gl.SliceLayout(0, o_layout))
+    offs_h = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, _O_LAYOUT))
+    offs_l = col0 + gl.arange(0, _HALF_C, layout=gl.SliceLayout(0, _O_LAYOUT))
     h_ok = offs_h < num_heads
     if gl.num_programs(2) == 1:
         gl.store(out_ptr + row64 * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh + offs_l[None, :],
@@ -144,10 +149,18 @@ def _finish(acc, m_i, l_i, l_other, col0: gl.constexpr, write_lse: gl.constexpr,
         slot = (split * num_rows + row64) * num_heads + offs_h  # (split, row, head)
         gl.store(part_o_ptr + slot[:, None] * _LORA_C + offs_l[None, :], o, mask=h_ok[:, None])
         if write_lse:
-            offs_hs = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
+            offs_hs = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, _S_LAYOUT))
             slot_s = (split * num_rows + row64) * num_heads + offs_hs
             lse = gl.where(has, (m_i + gl.log2(gl.where(has, l, 1.0))) / 1.4426950408889634, float("-inf"))
             gl.store(part_lse_ptr + slot_s, lse, mask=offs_hs < num_heads)
+
+
+@gluon.jit
+def _fresh_state():
+    """A warpgroup's running max, row sum and half of O before the first pair."""
+    m_i = gl.full([_BLOCK_H_C], float("-inf"), gl.float32, layout=_ROWS)
+    l_i = gl.zeros([_BLOCK_H_C], gl.float32, layout=_ROWS)
+    return m_i, l_i, gl.zeros([_BLOCK_H_C, _HALF_C], gl.float32, layout=_O_LAYOUT)
 
 
 @gluon.jit
@@ -155,19 +168,12 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
                 out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows, stride_ot, stride_oh,
                 PAGE: gl.constexpr):
     """Tile 0 of each pair, and ``O_L``."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N_C, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HALF_C, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = ql.dtype
-    m_i = gl.full([_BLOCK_H_C], float("-inf"), gl.float32, layout=rows)
-    l_i = gl.zeros([_BLOCK_H_C], gl.float32, layout=rows)
-    acc = gl.zeros([_BLOCK_H_C, _HALF_C], gl.float32, layout=o_layout)
+    m_i, l_i, acc = _fresh_state()
     for j in range(0, (n_tiles + 1) // 2):
         phase = j & 1
         n0 = start + 2 * j * _BLOCK_N_C
-        s = _scores(ql, qr, qp, cl.index(0), cr.index(0), ce.index(0), bars, 0, phase, n0, end, sm_scale_log2,
-                    s_layout, 4)
+        s = _scores(ql, qr, qp, cl.index(0), cr.index(0), ce.index(0), bars, 0, phase, n0, end, sm_scale_log2, 4)
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).store(m0)
         mbarrier.arrive(bars.index(_M0_C), count=1)
@@ -177,17 +183,17 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         fence_async_shared()
         mbarrier.arrive(bars.index(_P0_C), count=1)
         l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
         blk2 = _block(bt_row, n0 + 2 * _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), cl.index(0), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p, _P_LAYOUT), cl.index(0), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if 2 * j + 2 < n_tiles:  # V0_L read: the next pair's first tile, left half
             _issue(desc_c, cl.index(0), bars.index(0), blk2, n0 + 2 * _BLOCK_N_C, 0, PAGE)
         mbarrier.wait(bars.index(_S1_C), phase)
-        m1 = stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).load(rows)
+        m1 = stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
         scale1 = gl.exp2(m0 - m1)
         l_i = l_i * scale1
-        acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, o_layout))[:, None]
+        acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, _O_LAYOUT))[:, None]
         m_i = m1
         blk3 = _block(bt_row, n0 + 3 * _BLOCK_N_C, 2 * j + 3 < n_tiles, PAGE)
         mbarrier.wait(bars.index(_P1_C), phase)
@@ -200,8 +206,8 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
     stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
     mbarrier.arrive(bars.index(_L0_C), count=1)
     mbarrier.wait(bars.index(_L1_C), 0)
-    _finish(acc, m_i, l_i, stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).load(rows), 0, True, out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split,
-            num_heads, num_rows, stride_ot, stride_oh, s_layout, o_layout)
+    _finish(acc, m_i, l_i, stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS), 0, True, out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split,
+            num_heads, num_rows, stride_ot, stride_oh)
 
 
 @gluon.jit
@@ -209,25 +215,18 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
                 out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows, stride_ot, stride_oh,
                 PAGE: gl.constexpr):
     """Tile 1 of each pair, and ``O_R``."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BLOCK_N_C, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HALF_C, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = ql.dtype
-    m_i = gl.full([_BLOCK_H_C], float("-inf"), gl.float32, layout=rows)
-    l_i = gl.zeros([_BLOCK_H_C], gl.float32, layout=rows)
-    acc = gl.zeros([_BLOCK_H_C, _HALF_C], gl.float32, layout=o_layout)
+    m_i, l_i, acc = _fresh_state()
     for j in range(0, (n_tiles + 1) // 2):
         phase = j & 1
         n1 = start + (2 * j + 1) * _BLOCK_N_C
         has1 = 2 * j + 1 < n_tiles
         if has1:
-            s = _scores(ql, qr, qp, cl.index(1), cr.index(1), ce.index(1), bars, 1, phase, n1, end, sm_scale_log2,
-                        s_layout, 4)
+            s = _scores(ql, qr, qp, cl.index(1), cr.index(1), ce.index(1), bars, 1, phase, n1, end, sm_scale_log2, 4)
         else:
-            s = gl.full([_BLOCK_H_C, _BLOCK_N_C], float("-inf"), gl.float32, layout=s_layout)
+            s = gl.full([_BLOCK_H_C, _BLOCK_N_C], float("-inf"), gl.float32, layout=_S_LAYOUT)
         mbarrier.wait(bars.index(_M0_C), phase)
-        m0 = stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).load(rows)
+        m0 = stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
         m1 = gl.maximum(m0, gl.max(s, axis=1))
         stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).store(m1)
         mbarrier.arrive(bars.index(_S1_C), count=1)
@@ -237,7 +236,7 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         mbarrier.arrive(bars.index(_P1_C), count=1)
         l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p.to(gl.float32), axis=1)
         # O_R = (O_R e^(m - m0) + P0 V0_R) e^(m0 - m1) + P1 V1_R: P0 as warpgroup 0 wrote it
-        acc = acc * gl.convert_layout(gl.exp2(m_i - m0), gl.SliceLayout(1, o_layout))[:, None]
+        acc = acc * gl.convert_layout(gl.exp2(m_i - m0), gl.SliceLayout(1, _O_LAYOUT))[:, None]
         blk2 = _block(bt_row, n1 + _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
         mbarrier.wait(bars.index(_P0_C), phase)
         acc = warpgroup_mma(ce.index(0), cr.index(0), acc, is_async=True)
@@ -245,19 +244,19 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         if 2 * j + 2 < n_tiles:  # V0_R and P0 read: the next pair's first tile, right half and RoPE
             _issue(desc_c, cr.index(0), bars.index(1), blk2, n1 + _BLOCK_N_C, _HALF_C, PAGE)
             _issue(desc_e, ce.index(0), bars.index(2), blk2, n1 + _BLOCK_N_C, _LORA_C, PAGE)
-        acc = acc * gl.convert_layout(gl.exp2(m0 - m1), gl.SliceLayout(1, o_layout))[:, None]
+        acc = acc * gl.convert_layout(gl.exp2(m0 - m1), gl.SliceLayout(1, _O_LAYOUT))[:, None]
         m_i = m1
         if has1:
             blk3 = _block(bt_row, n1 + 2 * _BLOCK_N_C, 2 * j + 3 < n_tiles, PAGE)
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), cr.index(1), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p, _P_LAYOUT), cr.index(1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if 2 * j + 3 < n_tiles:  # V1_R read: the next pair's second tile, right half
                 _issue(desc_c, cr.index(1), bars.index(4), blk3, n1 + 2 * _BLOCK_N_C, _HALF_C, PAGE)
     stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
     mbarrier.arrive(bars.index(_L1_C), count=1)
     mbarrier.wait(bars.index(_L0_C), 0)
-    _finish(acc, m_i, l_i, stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).load(rows), _HALF_C, False, out_ptr, part_o_ptr, part_lse_ptr, row64, hg,
-            split, num_heads, num_rows, stride_ot, stride_oh, s_layout, o_layout)
+    _finish(acc, m_i, l_i, stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS), _HALF_C, False, out_ptr, part_o_ptr, part_lse_ptr, row64, hg,
+            split, num_heads, num_rows, stride_ot, stride_oh)
 
 
 @gluon.jit
