@@ -62,7 +62,7 @@ from vattn.backends.mla.triton_mla import seesaw as s
 page, splits, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kernel = s._mla_decode_seesaw_kernel
 names = [p.name for p in kernel.params]
-consts = dict(PAGE=page, NUM_SPLITS=splits, WS_PAIRS=s._WS_PAIRS, num_warps=4)
+consts = dict(PAGE=page, NUM_SPLITS=splits, num_warps=4)
 cache = torch.empty(8, page, 576, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
 
 def mangle(d):  # the descriptor's signature type, as Triton's JIT would specialize it

@@ -31,7 +31,6 @@ without splits (long keys per program); with splits the warpgroup-MMA kernel run
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from triton.experimental import gluon
@@ -47,11 +46,9 @@ HALF = LORA // 2
 WORKER_REGS = 240
 LOG2E = 1.4426950408889634
 
-# Names that changed across the Triton versions vattn supports: TMA loads (3.6:
-# ``async_copy_global_to_shared``, later ``async_load``) and ``warp_specialize`` (3.6 takes the
-# default partition's arguments and function, then the workers'; later a list of pairs).
+# The TMA load's name changed across the Triton versions vattn supports (3.6:
+# ``async_copy_global_to_shared``, later ``async_load``).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_WS_PAIRS = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 # mbarrier slots: the TMA "ready" barriers of buffer b's parts (L, R, E), then the hand-offs.
 _M0, _S1, _P0, _P1, _L0, _L1 = 6, 7, 8, 9, 10, 11
@@ -263,7 +260,7 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
 def _mla_decode_seesaw_kernel(
     q_nope_ptr, q_pe_ptr, desc_c, desc_e, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     sm_scale_log2, num_heads, num_rows, stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, stride_bt,
-    PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr, WS_PAIRS: gl.constexpr, num_warps: gl.constexpr,
+    PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr, num_warps: gl.constexpr,
 ):
     b = gl.program_id(0)
     hg = gl.program_id(1)
@@ -315,10 +312,7 @@ def _mla_decode_seesaw_kernel(
 
     args = (ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, start, end, n_tiles, sm_scale_log2,
             out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows, stride_ot, stride_oh, PAGE)
-    if WS_PAIRS:
-        gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args)], [4], [_WORKER_REGS_C])
-    else:
-        gl.warp_specialize(args, _warpgroup0, args, [_warpgroup1], [4], [_WORKER_REGS_C])
+    gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args)], [4], [_WORKER_REGS_C])
 
 
 def seesaw_unsupported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> str | None:
@@ -358,5 +352,5 @@ def mla_decode_seesaw(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.
         float(softmax_scale) * LOG2E, num_heads, rows,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0),
-        PAGE=page, NUM_SPLITS=num_splits, WS_PAIRS=_WS_PAIRS, num_warps=4,
+        PAGE=page, NUM_SPLITS=num_splits, num_warps=4,
     )
