@@ -203,8 +203,9 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
     stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
     mbarrier.arrive(bars.index(_L0_C), count=1)
     mbarrier.wait(bars.index(_L1_C), 0)
-    _finish(acc, m_i, l_i, stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS), 0, True, out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split,
-            num_heads, num_rows, stride_ot, stride_oh)
+    l_other = stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
+    _finish(acc, m_i, l_i, l_other, 0, True, out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads, num_rows,
+            stride_ot, stride_oh)
 
 
 @gluon.jit
@@ -232,7 +233,7 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         fence_async_shared()
         mbarrier.arrive(bars.index(_P1_C), count=1)
         l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p.to(gl.float32), axis=1)
-        # O_R = (O_R e^(m - m0) + P0 V0_R) e^(m0 - m1) + P1 V1_R: P0 as warpgroup 0 wrote it
+        # O_R = (O_R 2^(m - m0) + P0 V0_R) 2^(m0 - m1) + P1 V1_R: P0 as warpgroup 0 wrote it
         acc = acc * gl.convert_layout(gl.exp2(m_i - m0), gl.SliceLayout(1, _O_LAYOUT))[:, None]
         blk2 = _block(bt_row, n1 + _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
         mbarrier.wait(bars.index(_P0_C), phase)
@@ -252,8 +253,9 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
     stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
     mbarrier.arrive(bars.index(_L1_C), count=1)
     mbarrier.wait(bars.index(_L0_C), 0)
-    _finish(acc, m_i, l_i, stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS), _HALF_C, False, out_ptr, part_o_ptr, part_lse_ptr, row64, hg,
-            split, num_heads, num_rows, stride_ot, stride_oh)
+    l_other = stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
+    _finish(acc, m_i, l_i, l_other, _HALF_C, False, out_ptr, part_o_ptr, part_lse_ptr, row64, hg, split, num_heads,
+            num_rows, stride_ot, stride_oh)
 
 
 @gluon.jit
