@@ -18,12 +18,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_mla_wgmma import _reference, compiled_smem_in_child  # noqa: E402  (shared with the wgmma tests)
+from test_mla_wgmma import HOPPER_SMEM, SM90, _reference, compiled_smem_in_child  # noqa: E402
 
 from vattn.backends.mla.triton_mla import config as cfg  # noqa: E402
 
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-HOPPER_SMEM = 227 << 10
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the warp-specialized decode runs on Hopper (sm_90) GPUs only")
 
 
@@ -42,14 +40,35 @@ def test_tiles_ask_for_it_with_the_warpgroup_mma_kernel() -> None:
 
 def test_unsupported_caches_are_named() -> None:
     seesaw = _seesaw()
+    assert seesaw.seesaw_unsupported(torch.zeros(4, 64, 576, dtype=torch.bfloat16)) is None
+    assert seesaw.seesaw_unsupported(torch.zeros(4, 128, 576, dtype=torch.bfloat16)) is None
+    assert "multiple of 64" in seesaw.seesaw_unsupported(torch.zeros(4, 16, 576, dtype=torch.bfloat16))
+    gapped = torch.zeros(4, 65, 576, dtype=torch.bfloat16)[:, :64]  # a block stride of 65 rows
+    assert "evenly spaced" in seesaw.seesaw_unsupported(gapped)
+
+
+def test_launch_choice() -> None:
+    """``launch._hopper_decode`` (the device is the caller's check, so CPU tensors stand in):
+    this kernel for a launch without splits over pages of 64-row multiples, the warpgroup-MMA
+    kernel for other supported tensors, neither where the tiles or the tensors rule both out."""
+    from vattn.backends.mla.triton_mla import launch, wgmma
+
+    seesaw = _seesaw()
+    tiles = cfg.decode_tiles(128, 512, HOPPER_SMEM, capability=(9, 0))
     q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q_nope)
-    assert seesaw.seesaw_unsupported(q_nope, q_pe, torch.zeros(4, 64, 576, dtype=torch.bfloat16), out) is None
-    assert seesaw.seesaw_unsupported(q_nope, q_pe, torch.zeros(4, 128, 576, dtype=torch.bfloat16), out) is None
-    assert "multiple of 64" in seesaw.seesaw_unsupported(q_nope, q_pe, torch.zeros(4, 16, 576, dtype=torch.bfloat16), out)
-    gapped = torch.zeros(4, 65, 576, dtype=torch.bfloat16)[:, :64]  # a block stride of 65 rows
-    assert "evenly spaced" in seesaw.seesaw_unsupported(q_nope, q_pe, gapped, out)
-    assert "dtype" in seesaw.seesaw_unsupported(q_nope.float(), q_pe.float(), torch.zeros(4, 64, 576), out.float())
+
+    def choice(page: int, splits: int, dtype: torch.dtype = torch.bfloat16, t: cfg.DecodeTiles = tiles):  # noqa: ANN202
+        cache = torch.zeros(4, page, 576, dtype=dtype)
+        return launch._hopper_decode(q_nope.to(dtype), q_pe.to(dtype), cache, out.to(dtype), t, splits)
+
+    assert choice(64, 1) is seesaw.mla_decode_seesaw
+    assert choice(128, 1) is seesaw.mla_decode_seesaw
+    assert choice(64, 2) is wgmma.mla_decode_wgmma
+    assert choice(16, 1) is wgmma.mla_decode_wgmma
+    assert choice(64, 1, t=cfg.DecodeTiles(64, 64, 8, 2, wgmma=True)) is wgmma.mla_decode_wgmma
+    assert choice(64, 1, dtype=torch.float32) is None
+    assert choice(64, 1, t=cfg.decode_tiles(128, 512, HOPPER_SMEM)) is None
 
 
 _COMPILE = """
@@ -133,7 +152,7 @@ def test_gpu_matches_reference(heads: int, page: int, splits: int, dtype: torch.
     q_nope, q_pe, cache, qsl, seq, table, lens = _inputs(heads, page, dtype, seed=heads + page + splits)
     scale = 1.0 / math.sqrt(192)
     out = torch.full_like(q_nope, 7.0)
-    assert seesaw.seesaw_unsupported(q_nope, q_pe, cache, out) is None
+    assert seesaw.seesaw_unsupported(cache) is None
     rows = q_nope.shape[0]
     n_o, n_lse = cfg.split_scratch_numel(rows, heads, 512, splits)
     part_o = torch.empty(n_o, dtype=torch.float32, device="cuda")

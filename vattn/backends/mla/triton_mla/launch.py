@@ -58,6 +58,21 @@ def _seesaw() -> Any:
     return seesaw
 
 
+def _hopper_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                   tiles: DecodeTiles, num_splits: int) -> Any:
+    """The Gluon decode for these tensors (bf16 / fp16; the caller checks the device and fp8):
+    ``seesaw.mla_decode_seesaw`` for a launch without splits over pages of 64-row multiples,
+    else ``wgmma.mla_decode_wgmma``; None where ``tiles`` or the tensors allow neither (the
+    Triton kernel runs)."""
+    wgmma = _wgmma() if tiles.wgmma else None
+    if wgmma is None or wgmma.wgmma_unsupported(q_nope, q_pe, kv_cache, out) is not None:
+        return None
+    seesaw = _seesaw() if tiles.seesaw and num_splits == 1 else None
+    if seesaw is not None and seesaw.seesaw_unsupported(kv_cache) is None:
+        return seesaw.mla_decode_seesaw
+    return wgmma.mla_decode_wgmma
+
+
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                softmax_scale: float, kv_lora_rank: int, num_splits: int = 1, kv_scale: torch.Tensor | None = None,
@@ -106,16 +121,11 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     if tiles is None:
         tiles = decode_tiles(num_heads, lora, device_smem_bytes(q_nope.device),
                              capability=device_capability(q_nope.device))
-    wgmma = _wgmma() if tiles.wgmma and not fp8 and q_nope.is_cuda else None
-    seesaw = _seesaw() if wgmma is not None and tiles.seesaw and num_splits == 1 else None
-    if seesaw is not None and seesaw.seesaw_unsupported(q_nope, q_pe, kv_cache, out) is None:
-        seesaw.mla_decode_seesaw(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                 block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
-                                 partial_out=partial_out, partial_lse=partial_lse)
-    elif wgmma is not None and wgmma.wgmma_unsupported(q_nope, q_pe, kv_cache, out) is None:
-        wgmma.mla_decode_wgmma(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                               block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
-                               partial_out=partial_out, partial_lse=partial_lse)
+    hopper = _hopper_decode(q_nope, q_pe, kv_cache, out, tiles, num_splits) if not fp8 and q_nope.is_cuda else None
+    if hopper is not None:
+        hopper(q_nope, q_pe, kv_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+               block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
+               partial_out=partial_out, partial_lse=partial_lse)
     else:
         grid = (num_reqs, -(-num_heads // tiles.block_h), num_splits)
         _DECODE[grid](

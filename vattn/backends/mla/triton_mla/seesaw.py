@@ -22,7 +22,7 @@ over tiles taken in pairs, the schedule of FlashMLA's write-up ("seesaw"):
   the order they arrive.
 
 Needs pages of a multiple of ``BLOCK_N`` rows (a tile is one TMA box) and a cache whose rows
-are evenly spaced; ``seesaw_unsupported`` says when a call cannot take it. Grid, partial
+are evenly spaced; ``seesaw_unsupported`` says when a cache cannot take it. Grid, partial
 outputs and LSE as ``wgmma.py`` (``kernels._mla_combine_kernel`` merges splits). The kernel
 pays for its pipeline once per program, so ``launch.mla_decode`` takes it only for launches
 without splits (long keys per program); with splits the warpgroup-MMA kernel runs.
@@ -37,36 +37,29 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from vattn.backends.mla.triton_mla.wgmma import BLOCK_H, BLOCK_N, LORA, ROPE, wgmma_unsupported
+from vattn.backends.mla.triton_mla.wgmma import BLOCK_H, BLOCK_N, LOG2E, LORA, ROPE, split_keys
 
 __all__ = ["mla_decode_seesaw", "seesaw_unsupported"]
 
 HALF = LORA // 2
 """Latent columns a warpgroup accumulates (its half of the output)."""
-WORKER_REGS = 240
-LOG2E = 1.4426950408889634
 
 # The TMA load's name changed across the Triton versions vattn supports (3.6:
 # ``async_copy_global_to_shared``, later ``async_load``).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-# mbarrier slots: the TMA "ready" barriers of buffer b's parts (L, R, E), then the hand-offs.
-_M0, _S1, _P0, _P1, _L0, _L1 = 6, 7, 8, 9, 10, 11
-_NUM_BARS = 12
-# The same values as constexpr globals, which Gluon functions may read.
+# The sizes as constexpr globals, which Gluon functions may read.
 _BLOCK_H_C = gl.constexpr(BLOCK_H)
 _BLOCK_N_C = gl.constexpr(BLOCK_N)
 _HALF_C = gl.constexpr(HALF)
 _LORA_C = gl.constexpr(LORA)
 _ROPE_C = gl.constexpr(ROPE)
-_WORKER_REGS_C = gl.constexpr(WORKER_REGS)
-_M0_C = gl.constexpr(_M0)
-_S1_C = gl.constexpr(_S1)
-_P0_C = gl.constexpr(_P0)
-_P1_C = gl.constexpr(_P1)
-_L0_C = gl.constexpr(_L0)
-_L1_C = gl.constexpr(_L1)
-_NUM_BARS_C = gl.constexpr(_NUM_BARS)
+_WORKER_REGS_C = gl.constexpr(240)  # the worker warpgroup's register budget (setmaxnreg)
+# mbarrier slots: 0 - 5 the TMA "ready" barriers of buffer b's parts (3 b + 0 / 1 / 2: L, R, E),
+# then the hand-offs between the warpgroups.
+_M0_C, _S1_C, _P0_C, _P1_C = gl.constexpr(6), gl.constexpr(7), gl.constexpr(8), gl.constexpr(9)
+_L0_C, _L1_C = gl.constexpr(10), gl.constexpr(11)
+_NUM_BARS_C = gl.constexpr(12)
 # One warpgroup's MMA layouts: a score tile (64 heads, 64 keys), its half of O (64, 256), P as
 # the A operand of O's MMA, and a row (head) vector of the score tile.
 _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]))
@@ -285,11 +278,7 @@ def _mla_decode_seesaw_kernel(
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
 
-    # This split's keys; the grid depends on static sizes only (CUDA-graph safe).
-    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + _BLOCK_N_C - 1) // _BLOCK_N_C * _BLOCK_N_C
-    start = split * per_split
-    end = gl.minimum(start + per_split, seq_len)
-    n_tiles = gl.maximum(end - start + _BLOCK_N_C - 1, 0) // _BLOCK_N_C
+    start, end, n_tiles = split_keys(seq_len, split, NUM_SPLITS, _BLOCK_N_C)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     for t in gl.static_range(2):  # the first pair's loads go out before the query is read
         if t < n_tiles:
@@ -317,11 +306,8 @@ def _mla_decode_seesaw_kernel(
     gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args)], [4], [_WORKER_REGS_C])
 
 
-def seesaw_unsupported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> str | None:
-    """Why these tensors cannot take the kernel (None: they can). The caller checks the device."""
-    why = wgmma_unsupported(q_nope, q_pe, kv_cache, out)
-    if why is not None:
-        return why
+def seesaw_unsupported(kv_cache: torch.Tensor) -> str | None:
+    """Why this cache cannot take the kernel, beyond ``wgmma_unsupported`` (None: it can)."""
     page = kv_cache.shape[1]
     if page % BLOCK_N:
         return f"needs pages of a multiple of {BLOCK_N} rows (one TMA box a tile), got {page}"
@@ -339,8 +325,9 @@ def mla_decode_seesaw(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, num_splits: int, partial_out: torch.Tensor,
                       partial_lse: torch.Tensor) -> None:
-    """Launch the kernel (shapes as ``launch.mla_decode``; ``seesaw_unsupported`` is None for these
-    tensors). With ``num_splits > 1`` it writes ``partial_out`` / ``partial_lse`` for the combine."""
+    """Launch the kernel (shapes as ``launch.mla_decode``; ``wgmma_unsupported`` and
+    ``seesaw_unsupported`` are None for these tensors). With ``num_splits > 1`` it writes
+    ``partial_out`` / ``partial_lse`` for the combine."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, num_heads, _ = q_nope.shape

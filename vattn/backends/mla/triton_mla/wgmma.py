@@ -49,6 +49,17 @@ _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 
 @gluon.jit
+def split_keys(seq_len, split, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Split ``split``'s keys ``[start, end)`` and their tile count: ``NUM_SPLITS`` equal parts of
+    ``seq_len`` rounded up to whole tiles, as ``kernels._mla_decode_kernel`` splits them (the
+    combine reads the partials in that order). Depends on static sizes only (CUDA-graph safe)."""
+    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    return start, end, gl.maximum(end - start + BLOCK_N - 1, 0) // BLOCK_N
+
+
+@gluon.jit
 def _load_tile(c_buf, r_buf, cache_ptr, bt_row, n0, end, stride_cb, stride_cs,
                LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                ld: gl.constexpr, ldr: gl.constexpr):
@@ -112,10 +123,7 @@ def _mla_decode_wgmma_kernel(
     r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], smem)
 
     # This split's keys; the grid depends on static sizes only (CUDA-graph safe).
-    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * per_split
-    end = gl.minimum(start + per_split, seq_len)
-    n_tiles = gl.maximum(end - start + BLOCK_N - 1, 0) // BLOCK_N
+    start, end, n_tiles = split_keys(seq_len, split, NUM_SPLITS, BLOCK_N)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     if start < end:
         _load_tile(c_smem.index(0), r_smem.index(0), cache_ptr, bt_row, start, end, stride_cb, stride_cs,
