@@ -146,6 +146,21 @@ def _finish(acc, m_i, l_i, l_other, col0: gl.constexpr, write_lse: gl.constexpr,
 
 
 @gluon.jit
+def _pair_views(ql, qr, qp, cl, cr, ce, j):
+    """Pair ``j``'s shared-memory views: the query's three parts, then buffer 0's and buffer 1's
+    ``c`` halves and RoPE part.
+
+    All are indexed by ``j >> 30``, which is 0 but, as far as the compiler knows, changes with
+    the loop. Each MMA then rebuilds its shared-memory descriptors (one 64-bit word per operand
+    and 16-wide k step) from the base address every pair; with constant indices the compiler
+    hoists them all out of the loop and they spill, the reloads sitting between a wait and its
+    MMA."""
+    z = j >> 30
+    return (ql.index(z), qr.index(z), qp.index(z), cl.index(z), cr.index(z), ce.index(z),
+            cl.index(z + 1), cr.index(z + 1), ce.index(z + 1))
+
+
+@gluon.jit
 def _fresh_state():
     """A warpgroup's running max, row sum and half of O before the first pair."""
     m_i = gl.full([_BLOCK_H_C], float("-inf"), gl.float32, layout=_ROWS)
@@ -162,23 +177,24 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
     m_i, l_i, acc = _fresh_state()
     for j in range(0, (n_tiles + 1) // 2):
         phase = j & 1
+        q_l, q_r, q_p, l0, r0, e0, l1, r1, e1 = _pair_views(ql, qr, qp, cl, cr, ce, j)
         n0 = start + 2 * j * _BLOCK_N_C
-        s = _scores(ql, qr, qp, cl.index(0), cr.index(0), ce.index(0), bars, 0, phase, n0, end, sm_scale_log2, 4)
+        s = _scores(q_l, q_r, q_p, l0, r0, e0, bars, 0, phase, n0, end, sm_scale_log2, 4)
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).store(m0)
         mbarrier.arrive(bars.index(_M0_C), count=1)
         alpha = gl.exp2(m_i - m0)
         p = gl.exp2(s - m0[:, None]).to(dtype)
-        ce.index(0).store(p)  # P0 for warpgroup 1, in the RoPE columns S0 has read
+        e0.store(p)  # P0 for warpgroup 1, in the RoPE columns S0 has read
         fence_async_shared()
         mbarrier.arrive(bars.index(_P0_C), count=1)
         l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
         blk2 = _block(bt_row, n0 + 2 * _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
-        acc = warpgroup_mma(gl.convert_layout(p, _P_LAYOUT), cl.index(0), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p, _P_LAYOUT), l0, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if 2 * j + 2 < n_tiles:  # V0_L read: the next pair's first tile, left half
-            _issue(desc_c, cl.index(0), bars.index(0), blk2, n0 + 2 * _BLOCK_N_C, 0, PAGE)
+            _issue(desc_c, l0, bars.index(0), blk2, n0 + 2 * _BLOCK_N_C, 0, PAGE)
         mbarrier.wait(bars.index(_S1_C), phase)
         m1 = stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
         scale1 = gl.exp2(m0 - m1)
@@ -188,11 +204,11 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         blk3 = _block(bt_row, n0 + 3 * _BLOCK_N_C, 2 * j + 3 < n_tiles, PAGE)
         mbarrier.wait(bars.index(_P1_C), phase)
         if 2 * j + 1 < n_tiles:
-            acc = warpgroup_mma(ce.index(1), cl.index(1), acc, is_async=True)
+            acc = warpgroup_mma(e1, l1, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if 2 * j + 3 < n_tiles:  # V1_L and P1 read: the next pair's second tile, left half and RoPE
-            _issue(desc_c, cl.index(1), bars.index(3), blk3, n0 + 3 * _BLOCK_N_C, 0, PAGE)
-            _issue(desc_e, ce.index(1), bars.index(5), blk3, n0 + 3 * _BLOCK_N_C, _LORA_C, PAGE)
+            _issue(desc_c, l1, bars.index(3), blk3, n0 + 3 * _BLOCK_N_C, 0, PAGE)
+            _issue(desc_e, e1, bars.index(5), blk3, n0 + 3 * _BLOCK_N_C, _LORA_C, PAGE)
     stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
     mbarrier.arrive(bars.index(_L0_C), count=1)
     mbarrier.wait(bars.index(_L1_C), 0)
@@ -210,10 +226,11 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
     m_i, l_i, acc = _fresh_state()
     for j in range(0, (n_tiles + 1) // 2):
         phase = j & 1
+        q_l, q_r, q_p, l0, r0, e0, l1, r1, e1 = _pair_views(ql, qr, qp, cl, cr, ce, j)
         n1 = start + (2 * j + 1) * _BLOCK_N_C
         has1 = 2 * j + 1 < n_tiles
         if has1:
-            s = _scores(ql, qr, qp, cl.index(1), cr.index(1), ce.index(1), bars, 1, phase, n1, end, sm_scale_log2, 4)
+            s = _scores(q_l, q_r, q_p, l1, r1, e1, bars, 1, phase, n1, end, sm_scale_log2, 4)
         else:
             s = gl.full([_BLOCK_H_C, _BLOCK_N_C], float("-inf"), gl.float32, layout=_S_LAYOUT)
         mbarrier.wait(bars.index(_M0_C), phase)
@@ -222,7 +239,7 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).store(m1)
         mbarrier.arrive(bars.index(_S1_C), count=1)
         p = gl.exp2(s - m1[:, None]).to(dtype)
-        ce.index(1).store(p)  # P1 for warpgroup 0, in the RoPE columns S1 has read
+        e1.store(p)  # P1 for warpgroup 0, in the RoPE columns S1 has read
         fence_async_shared()
         mbarrier.arrive(bars.index(_P1_C), count=1)
         l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p.to(gl.float32), axis=1)
@@ -230,19 +247,19 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         acc = acc * gl.convert_layout(gl.exp2(m_i - m0), gl.SliceLayout(1, _O_LAYOUT))[:, None]
         blk2 = _block(bt_row, n1 + _BLOCK_N_C, 2 * j + 2 < n_tiles, PAGE)
         mbarrier.wait(bars.index(_P0_C), phase)
-        acc = warpgroup_mma(ce.index(0), cr.index(0), acc, is_async=True)
+        acc = warpgroup_mma(e0, r0, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if 2 * j + 2 < n_tiles:  # V0_R and P0 read: the next pair's first tile, right half and RoPE
-            _issue(desc_c, cr.index(0), bars.index(1), blk2, n1 + _BLOCK_N_C, _HALF_C, PAGE)
-            _issue(desc_e, ce.index(0), bars.index(2), blk2, n1 + _BLOCK_N_C, _LORA_C, PAGE)
+            _issue(desc_c, r0, bars.index(1), blk2, n1 + _BLOCK_N_C, _HALF_C, PAGE)
+            _issue(desc_e, e0, bars.index(2), blk2, n1 + _BLOCK_N_C, _LORA_C, PAGE)
         acc = acc * gl.convert_layout(gl.exp2(m0 - m1), gl.SliceLayout(1, _O_LAYOUT))[:, None]
         m_i = m1
         if has1:
             blk3 = _block(bt_row, n1 + 2 * _BLOCK_N_C, 2 * j + 3 < n_tiles, PAGE)
-            acc = warpgroup_mma(gl.convert_layout(p, _P_LAYOUT), cr.index(1), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p, _P_LAYOUT), r1, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if 2 * j + 3 < n_tiles:  # V1_R read: the next pair's second tile, right half
-                _issue(desc_c, cr.index(1), bars.index(4), blk3, n1 + 2 * _BLOCK_N_C, _HALF_C, PAGE)
+                _issue(desc_c, r1, bars.index(4), blk3, n1 + 2 * _BLOCK_N_C, _HALF_C, PAGE)
     stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
     mbarrier.arrive(bars.index(_L1_C), count=1)
     mbarrier.wait(bars.index(_L0_C), 0)
@@ -293,11 +310,13 @@ def _mla_decode_seesaw_kernel(
     h_ok = (offs_h < num_heads)[:, None]
     q_rows = q_nope_ptr + row64 * stride_qt + offs_h[:, None].to(gl.int64) * stride_qh
     offs_c = gl.arange(0, _HALF_C, layout=gl.SliceLayout(0, ld))
-    ql = gl.allocate_shared_memory(dtype, [_BLOCK_H_C, _HALF_C], smem, gl.load(q_rows + offs_c[None, :], mask=h_ok, other=0.0))
-    qr = gl.allocate_shared_memory(dtype, [_BLOCK_H_C, _HALF_C], smem,
-                                   gl.load(q_rows + _HALF_C + offs_c[None, :], mask=h_ok, other=0.0))
+    ql = gl.allocate_shared_memory(dtype, [1, _BLOCK_H_C, _HALF_C], smem)  # one-deep: see _pair_views
+    ql.index(0).store(gl.load(q_rows + offs_c[None, :], mask=h_ok, other=0.0))
+    qr = gl.allocate_shared_memory(dtype, [1, _BLOCK_H_C, _HALF_C], smem)
+    qr.index(0).store(gl.load(q_rows + _HALF_C + offs_c[None, :], mask=h_ok, other=0.0))
     offs_r = gl.arange(0, _ROPE_C, layout=gl.SliceLayout(0, ld))
-    qp = gl.allocate_shared_memory(dtype, [_BLOCK_H_C, _ROPE_C], smem, gl.load(
+    qp = gl.allocate_shared_memory(dtype, [1, _BLOCK_H_C, _ROPE_C], smem)
+    qp.index(0).store(gl.load(
         q_pe_ptr + row64 * stride_pt + offs_h[:, None].to(gl.int64) * stride_ph + offs_r[None, :], mask=h_ok, other=0.0))
     fence_async_shared()
 
