@@ -58,14 +58,15 @@ def _builder(spec: MLASpec, cfg: VattnConfig | None = None, chunk: int | None = 
     return b
 
 
-def _run_triton(spec: MLASpec, seed: int = 0, chunk: int | None = 8, factor: float = 1.0) -> None:
+def _run_triton(spec: MLASpec, seed: int = 0, chunk: int | None = 8, factor: float = 1.0, grad: bool = True) -> None:
     batch = make_mla_batch(spec, seed=seed)
     md = _builder(spec, chunk=chunk).build(0, batch.common)
     impl = TritonMLAImpl(spec.num_heads, spec.head_size, spec.scale, 1, kv_cache_dtype=spec.kv_cache_dtype,
                          **spec.impl_kwargs(batch.kv_b_proj))
     out = torch.zeros(batch.q.shape[0], spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=spec.device)
     before = batch.kv_cache.clone()
-    assert impl.forward(batch.layer, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, md, output=out) is out
+    with torch.set_grad_enabled(grad):
+        assert impl.forward(batch.layer, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, md, output=out) is out
     n = batch.num_actual_tokens
     assert_close(out[:n], batch.reference(), spec.dtype, factor=factor)
     check_latent_cache(batch, before)
@@ -77,6 +78,13 @@ def _run_triton(spec: MLASpec, seed: int = 0, chunk: int | None = 8, factor: flo
 @pytest.mark.parametrize("case", [MIXED, DECODE, PREFILL], ids=["mixed", "decode", "prefill"])
 def test_triton_mla_matches_unabsorbed_reference(case: dict) -> None:
     _run_triton(MLASpec(**case, num_pad_tokens=2, device=DEV), seed=1)
+
+
+@pytest.mark.parametrize("case", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_triton_mla_decode_without_autograd(case: dict) -> None:
+    """Without autograd the decode's up-projection writes the output rows in place (bmm out=);
+    with it (the weights require grad) it copies. Both against the reference."""
+    _run_triton(MLASpec(**case, num_pad_tokens=2, device=DEV), seed=5, grad=False)
 
 
 @pytest.mark.parametrize("block_size,chunk", [(1, 5), (5, 3), (48, None)])

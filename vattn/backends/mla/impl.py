@@ -159,8 +159,12 @@ class MLACommonImpl(AttentionImpl[MLACommonMetadata]):
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
         ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)  # (R, H, L)
         latent = self._forward_decode(ql_nope, q_pe, kv_cache, md, layer)  # (R, H, L)
-        out = torch.bmm(latent.transpose(0, 1), w_uv.to(latent.dtype).transpose(1, 2))  # (H, R, V)
-        output.copy_(out.transpose(0, 1))
+        lat_t, w_uv_t = latent.transpose(0, 1), w_uv.to(latent.dtype).transpose(1, 2)  # (H, R, L), (H, L, V)
+        tracked = torch.is_grad_enabled() and (lat_t.requires_grad or w_uv_t.requires_grad)  # out= has no autograd
+        if output.dtype == latent.dtype and not tracked:  # the batched GEMM writes the (R, H, V) rows in place
+            torch.bmm(lat_t, w_uv_t, out=output.transpose(0, 1))
+        else:
+            output.copy_(torch.bmm(lat_t, w_uv_t).transpose(0, 1))
 
     def _prefill(self, layer: Any, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                  md: MLAPrefillMetadata) -> torch.Tensor:
