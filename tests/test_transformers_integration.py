@@ -184,6 +184,65 @@ def test_wrap_packs_projections_in_place_unless_told_not_to() -> None:
     assert packed_groups(plain.hf_model) == 0
 
 
+# Per family: the RMSNorm form of its modules (norms.py's table) and RMSNorms per decoder layer.
+NORM_FORMS = {"llama": ("llama", 2), "mistral": ("llama", 2), "qwen2": ("llama", 2), "qwen3": ("llama", 4),
+              "phi3": ("llama", 2), "olmo2": ("weight_first", 4), "gpt_oss": ("weight_first", 2),
+              "gemma2": ("gemma", 4), "gemma3": ("gemma", 6)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_wrap_fuses_rms_norms_with_the_same_arithmetic(family: str) -> None:
+    """Every RMSNorm of the family is recognized and, in eager inference, gives transformers'
+    output bit for bit (float32 and bf16 on the CPU, where ``F.rms_norm`` runs the same ops);
+    with autograd on it runs transformers' own forward; pickled, it is the transformers class;
+    ``fuse_norms=False`` leaves the modules alone."""
+    import io
+
+    from vattn.integrations.transformers.norms import norm_form
+
+    form, per_layer = NORM_FORMS[family]
+    model = hf_model(family)
+    norms = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    assert norms and {norm_form(m) for m in norms.values()} == {form}
+    assert len(norms) == per_layer * model.config.num_hidden_layers + 1
+    classes = {n: type(m) for n, m in norms.items()}
+    g = torch.Generator().manual_seed(3)
+    for m in norms.values():
+        m.weight.data.normal_(generator=g)
+    inputs = {n: torch.randn(5, m.weight.shape[0], generator=g) for n, m in norms.items()}
+    expect = {(n, dt): m(inputs[n].to(dt)) for n, m in norms.items() for dt in (torch.float32, torch.bfloat16)}
+    vt.wrap(model, vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK)))
+    for n, m in norms.items():
+        assert type(m) is not classes[n] and isinstance(m, classes[n]) and type(m).forward is not classes[n].forward
+        for dt in (torch.float32, torch.bfloat16):
+            with torch.no_grad():
+                assert torch.equal(m(inputs[n].to(dt)), expect[(n, dt)]), (n, dt)
+            assert torch.equal(m(inputs[n].to(dt)), expect[(n, dt)])  # autograd on: transformers' forward
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert all(type(m) is classes[n] for n, m in loaded.named_modules() if n in classes)
+    plain, _, _ = wrapped(family, fuse_norms=False)
+    assert all(type(m) is classes[n] for n, m in plain.hf_model.named_modules() if n in classes)
+
+
+def test_rms_norms_of_another_form_are_left_alone() -> None:
+    """A norm whose forward is not one of transformers' forms keeps its class."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from vattn.integrations.transformers.norms import fuse_rms_norms, norm_form
+
+    class ScaledRMSNorm(LlamaRMSNorm):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(hidden_states)
+
+    odd, plain = ScaledRMSNorm(8), LlamaRMSNorm(8)
+    assert norm_form(odd) is None and norm_form(plain) == "llama"
+    assert fuse_rms_norms(torch.nn.ModuleList([odd, plain])) == 1 and type(odd) is ScaledRMSNorm
+    assert fuse_rms_norms(plain) == 0  # fused already
+
+
 def packed_groups(model: torch.nn.Module) -> int:
     """Groups of q/k/v or gate/up projections whose weights share one packed buffer."""
     from vattn.compile_passes.packed_linears import packed_rows

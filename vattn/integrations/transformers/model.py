@@ -26,6 +26,7 @@ from torch import nn
 import vattn
 from vattn.compile_passes.packed_linears import pack_linear_weights
 from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
+from vattn.integrations.transformers.norms import fuse_rms_norms
 from vattn.layer import Attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "VattnCausalLM", "from_pretrained", "register", "vattn_attention_forward", "wrap"]
@@ -190,7 +191,7 @@ def _build_layers(specs: list[LayerSpec], vattn_config: vattn.VattnConfig, dtype
 
 
 def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any = None,
-         prefix: str = "", pack_projections: bool = True) -> VattnCausalLM:
+         prefix: str = "", pack_projections: bool = True, fuse_norms: bool = True) -> VattnCausalLM:
     """Run a transformers causal LM (``*ForCausalLM``) on vattn; returns a ``VattnCausalLM``.
 
     Changes ``model`` in place: every attention module gets a ``vattn.Attention`` at
@@ -200,7 +201,9 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     bias-free ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` of each module
     get one weight buffer each (the same parameters, now consecutive row views of it; values
     unchanged), which ``vattn.compile`` runs as one GEMM
-    (``vattn.compile_passes.packed_linears``). Then allocate the cache with
+    (``vattn.compile_passes.packed_linears``). With ``fuse_norms``, RMSNorm modules of
+    transformers' usual forms run as one ``F.rms_norm`` in eager inference (``norms.py``; same
+    arithmetic, fewer kernel launches). Then allocate the cache with
     ``vattn.allocate_kv_cache(vattn_config, ...)``.
 
     Args:
@@ -209,6 +212,7 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         attn_backend: force a vattn backend (class or name) for every layer; default: vattn's selector.
         prefix: put before every layer name, e.g. ``"draft."`` for a second model in the same config.
         pack_projections: pack the projections of one input as above (off: leave the weights as they are).
+        fuse_norms: the eager RMSNorm as above (off: leave the norm modules as they are).
 
     Mixture-of-experts models compile (``vattn.compile``) only with an experts implementation
     that does not loop over the experts a batch hits: on transformers 5 choose one with
@@ -254,6 +258,8 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         module.attn = layer
     if pack_projections:
         pack_linear_weights(model)
+    if fuse_norms:
+        fuse_rms_norms(model)
     model.eval()
     return VattnCausalLM(model, vattn_config, tuple(specs), decoder_path, head_name)
 
