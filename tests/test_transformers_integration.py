@@ -241,6 +241,9 @@ def test_rms_norms_of_another_form_are_left_alone() -> None:
     assert norm_form(odd) is None and norm_form(plain) == "llama"
     assert fuse_rms_norms(torch.nn.ModuleList([odd, plain])) == 1 and type(odd) is ScaledRMSNorm
     assert fuse_rms_norms(plain) == 0  # fused already
+    x = torch.randn(3, 8, dtype=torch.float64)  # transformers computes in float32: the fused one too
+    with torch.no_grad():
+        assert torch.equal(plain(x), LlamaRMSNorm.forward(plain, x))
 
 
 def packed_groups(model: torch.nn.Module) -> int:

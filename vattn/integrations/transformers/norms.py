@@ -117,6 +117,8 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     shape = (hidden_states.shape[-1],)
     form = self._vattn_norm_form
     if form == "llama":
+        if hidden_states.dtype == torch.float64:  # transformers computes in float32; rms_norm would not
+            return super(type(self), self).forward(hidden_states)
         return self.weight * F.rms_norm(hidden_states, shape, eps=self.variance_epsilon)
     if form == "weight_first":
         out = F.rms_norm(hidden_states.float(), shape, self.weight.float(), eps=self.variance_epsilon)
