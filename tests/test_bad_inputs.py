@@ -390,7 +390,8 @@ def test_cache_with_fewer_blocks_than_the_metadata(rig: Rig) -> None:
     small = _other_cache(rig, num_blocks=1)
     vattn.bind_kv_cache({"l0": small}, rig.cfg)  # a valid cache, but the step uses block 1
     rig.kv.tensors["l0"] = small
-    rig.rejects(ValueError, "num_blocks", rig.run)
+    msg = rig.rejects(ValueError, "num_blocks", rig.run)
+    assert "(layer 'l0''s KV cache)" in msg  # the layer's check names its cache
 
 
 @pytest.mark.parametrize("rig", BACKENDS, indirect=True)

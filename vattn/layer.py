@@ -238,6 +238,7 @@ class Attention(nn.Module, AttentionLayerBase):
         self._checked_cache: Any = None  # weakref to the bound tensor whose shape was checked (the op's check_call)
         self._checked_inputs: tuple[Any, ...] | None = None  # the last q/k/v signature _check_inputs passed
         self._cache_geometry: tuple[int, int] | None = None
+        self._cache_where = ""
 
         self.query_quant: QuantFP8 | None = None
         if is_fp8_kv_cache(self.kv_cache_dtype) and self.attn_backend.supports_quant_query_input:

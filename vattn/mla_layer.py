@@ -144,6 +144,7 @@ class MLAAttention(nn.Module, AttentionLayerBase):
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
         self._checked_cache: Any = None
         self._cache_geometry: tuple[int, int] | None = None
+        self._cache_where = ""
 
     # ---- forward ----------------------------------------------------------------------
 

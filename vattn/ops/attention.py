@@ -98,9 +98,10 @@ def check_call(layer: Any, query: torch.Tensor, key: torch.Tensor | None, value:
             layer.attn_backend, kv_cache, block_size=layer.block_size, num_kv_heads=layer.num_kv_heads,
             head_size=layer.head_size, cache_dtype=layer.kv_cache_dtype, name=name)
         layer._checked_cache = weakref.ref(kv_cache)
+        layer._cache_where = f"layer {name!r}'s KV cache"  # named in StepChecks' messages; built once
     checks = md.checks
     if checks is not None:
-        checks.check(*layer._cache_geometry, f"layer {name!r}'s KV cache")
+        checks.check(*layer._cache_geometry, layer._cache_where)
     elif debug:
         check_backend_metadata(md, *layer._cache_geometry, name)
 
