@@ -276,6 +276,30 @@ def test_decode_stores_kv_inside_attention(kv_dtype: str, feature: str | None,
     check(batch, factor=10.0 if kv_dtype != "auto" else 1.0, **features)
 
 
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1), (8, 1)])  # 16, 4 and 2 query tokens a 16-row tile
+@pytest.mark.parametrize("query_lens", [(1,) * 11, (1, 1, 5, 1, 1, 1, 3, 1, 1)])
+def test_each_program_finds_its_request(heads: tuple[int, int], query_lens: tuple[int, ...]) -> None:
+    """A program guesses its request from a decode batch's layout (request i's q block at
+    i + i // BLOCK_Q) and searches cu_q only when the guess is wrong: decode batches of several
+    q-block groups (right), decodes after longer queries (wrong for those after), padding rows
+    after the last request (programs past every request exit)."""
+    contexts = (5, 17, 0, 33, 2, 9, 40, 1, 12, 20, 7)[: len(query_lens)]
+    spec = BatchSpec(context_lens=contexts, query_lens=query_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=32, block_size=8, device=DEV, num_pad_tokens=3)
+    batch = make_random_batch(spec, seed=len(query_lens) + heads[0] * heads[1])
+    md = _builder(batch).build(0, batch.common)
+    md.config = UnifiedAttentionConfig(16, 16, 1, 4, 3, one_loop=True)
+    impl = TritonAttentionImpl(heads[0], 32, 32**-0.5, heads[1])
+    before = batch.kv_cache.clone()
+    out = torch.zeros_like(batch.query)
+    impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)
+    n = batch.num_actual_tokens
+    assert_close(out[:n], batch.reference(scale=32**-0.5), torch.float32)
+    assert (out[n:] == 0).all(), "padding rows of the output were written"
+    check_cache_written(batch)
+    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+
+
 def test_fused_store_matches_store_then_attend(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused step and ``VATTN_TRITON_FUSED_KV_STORE=0`` (store kernel, then attention)
     leave the same cache and agree on the output (bf16, GQA 3:1, split KV)."""

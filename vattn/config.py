@@ -122,7 +122,9 @@ class CompilationConfig:
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``. On sm_90+ GPUs the pieces
             compile with Inductor's programmatic dependent launch on (``triton.enable_pdl``:
-            each kernel's launch overlaps the one before it) unless this sets it; a model run
+            each kernel's launch overlaps the one before it), and on CUDA GPUs with its combo
+            kernels (``combo_kernels``: independent kernels of a piece, such as RoPE of q and of
+            k, as one launch), unless this sets them; a model run
             without CUDA graphs, whose steps the host bounds, may pass
             ``{"triton.enable_pdl": False}`` (PDL launches cost the host more).
         debug_dump_path: where passes dump graphs before/after, if set.

@@ -3,8 +3,9 @@
 Global Inductor config is never changed: every setting is a patch of one ``compile_fx`` call.
 The patches, in order of precedence (later wins):
 
-1. vattn's defaults: programmatic dependent launch on sm_90+ GPUs (``pdl_default``), plus the
-   caller's (e.g. coordinate-descent tuning for exact-size compiles);
+1. vattn's defaults: programmatic dependent launch on sm_90+ GPUs (``pdl_default``) and combo
+   kernels on CUDA GPUs (``combo_default``), plus the caller's (e.g. coordinate-descent tuning
+   for exact-size compiles);
 2. ``CompilationConfig.inductor_compile_config``;
 3. always: vattn's post-grad pass manager as ``post_grad_custom_post_pass``, and Inductor's own
    CUDA graphs off (``vattn.CUDAGraphRunner`` captures graphs itself).
@@ -21,7 +22,7 @@ import torch.fx as fx
 from vattn.config import CompilationConfig
 from vattn.kernels.launch import pdl_supported
 
-__all__ = ["compile_with_inductor", "on_pdl_device", "pdl_default", "shape_guards_suppressed"]
+__all__ = ["combo_default", "compile_with_inductor", "on_pdl_device", "pdl_default", "shape_guards_suppressed"]
 
 
 def on_pdl_device(args: Sequence[Any]) -> bool:
@@ -41,6 +42,20 @@ def pdl_default(args: Sequence[Any]) -> dict[str, Any]:
     """
     if hasattr(torch._inductor.config.triton, "enable_pdl") and on_pdl_device(args):
         return {"triton.enable_pdl": True}
+    return {}
+
+
+def combo_default(args: Sequence[Any]) -> dict[str, Any]:
+    """Inductor config that turns on its combo kernels (``combo_kernels``) for a piece on a CUDA
+    GPU (``CompilationConfig.inductor_compile_config`` overrides it).
+
+    Kernels of a piece that do not depend on each other then run as one launch: in a decoder
+    layer, RoPE of the queries and RoPE of the keys (transformers rotates them in two
+    expressions, which Inductor otherwise compiles into two kernels of a few microseconds each).
+    """
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    if devices == {"cuda"} and hasattr(torch._inductor.config, "combo_kernels"):
+        return {"combo_kernels": True}
     return {}
 
 
@@ -64,6 +79,7 @@ def compile_with_inductor(
     """``compile_fx`` of one piece with the patches in the module docstring."""
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {**pdl_default(example_inputs), **(defaults or {}), **compilation.inductor_compile_config,
+    patches = {**pdl_default(example_inputs), **combo_default(example_inputs), **(defaults or {}),
+               **compilation.inductor_compile_config,
                "post_grad_custom_post_pass": post_grad_pass, "triton.cudagraphs": False}
     return compile_fx(graph, list(example_inputs), config_patches=patches)

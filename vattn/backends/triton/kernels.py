@@ -6,8 +6,9 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
   tokens of one request. Request ``i`` owns the q blocks
   ``[cu_q[i] // BLOCK_Q + i, cu_q[i] // BLOCK_Q + i + cdiv(q_len_i, BLOCK_Q))``, so
   ``T // BLOCK_Q + num_seqs`` programs cover any batch of ``T`` tokens; a program finds its
-  request by binary search over ``cu_q`` and exits if it has no tokens (CUDA-graph friendly:
-  the grid depends only on static sizes).
+  request (the request a decode batch would give it, checked against ``cu_q``; a binary search
+  over ``cu_q`` when that is wrong) and exits if it has no tokens (CUDA-graph friendly: the
+  grid depends only on static sizes).
 * GQA packing: the ``QPK = H // Hk`` query heads of one KV head are packed into the tile's M
   dimension, row ``r`` = (token ``r // QPK``, head ``kv_head * QPK + r % QPK``), so every K/V
   tile is read once per KV head and fed to ``tl.dot``.
@@ -27,9 +28,9 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
   slot this launch writes: the cache loop stops at the context, and split 0 attends to the
   step's keys from the ``key``/``value`` rows (a one-token query's own key from registers,
   one online-softmax update; a longer one's in masked tiles). No store kernel runs first.
-* programmatic dependent launch (``PDL_WAIT``): launched with it, the kernel finds its
-  request and block-table row while the kernel before it finishes, then waits for it
-  (``gdc_wait``) before reading q or the new K/V.
+* programmatic dependent launch (``PDL_WAIT``): launched with it, the kernel reads the step's
+  metadata (its request, the new tokens' slots, the first key tile's block-table entries) while
+  the kernel before it finishes, then waits for it (``gdc_wait``) before reading q or the new K/V.
 * draft trees (``TREE``): a byte row per query token says which of its request's new tokens
   it sees (its ancestors and itself); the step's keys then lie in masked tiles only.
 * split-KV (``SPLIT_KV``): each of the grid's ``num_programs(2)`` splits handles a slice of
@@ -87,7 +88,7 @@ def _attend_tiles(
     V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
     FROM_INPUT: tl.constexpr = False, CACHE_TY: tl.constexpr = None, KV_FP8: tl.constexpr = False,
     KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
-    TREE: tl.constexpr = False, tree_ptr=None, tree_rows=None, tree_ctx=0,
+    TREE: tl.constexpr = False, tree_ptr=None, tree_rows=None, tree_ctx=0, blk_first=None,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
@@ -103,7 +104,10 @@ def _attend_tiles(
     ``TREE`` (needs ``MASK``): a key at position ``n >= tree_ctx`` (the step's new token
     ``n - tree_ctx``) is visible to row ``r`` only where ``tree_ptr[tree_rows[r] + n - tree_ctx]``
     is nonzero (``tree_rows``: (BLOCK_M,) int64 offsets of the rows' ancestor bytes, < 0 for
-    padding rows)."""
+    padding rows).
+
+    ``blk_first``: the (TILE_N,) block-table entries of tile ``j_lo``, loaded by the caller
+    (before it waits for the kernel before it); None: loaded here."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     offs_t = tl.arange(0, TILE_N)
@@ -114,9 +118,12 @@ def _attend_tiles(
         # same iteration, the entries go through cp.async too, and reading them back forces a
         # wait_group 0 every iteration: no load then overlaps any compute.)
         n_lim = tl.minimum(seq_len, j_hi * TILE_N)  # tokens this loop reads
-        nxt = j_lo * TILE_N + offs_t
-        # Unsigned: token -> (page, slot) is a shift and a mask for power-of-two page sizes.
-        blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
+        if blk_first is None:
+            nxt = j_lo * TILE_N + offs_t
+            # Unsigned: token -> (page, slot) is a shift and a mask for power-of-two page sizes.
+            blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
+        else:
+            blk_next = blk_first
     for j in range(j_lo, j_hi):
         offs_n = j * TILE_N + offs_t
         if FROM_INPUT:
@@ -250,25 +257,34 @@ def _unified_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Binary search: the largest request index with cu_q[i] // BLOCK_Q + i <= q_block.
-    seq = q_block * 0
-    hi = num_seqs - 1
-    while seq < hi:
-        mid = (seq + hi + 1) // 2
-        if tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= q_block:
-            seq = mid
-        else:
-            hi = mid - 1
+    # The request of this q block: the largest i with cu_q[i] // BLOCK_Q + i <= q_block. In a
+    # decode batch (cu_q[i] = i) request i's block is i + i // BLOCK_Q: guess that request and
+    # check it with the two cu_q entries read anyway (one round trip to memory); search cu_q
+    # only when the guess is wrong (a batch with longer queries).
+    seq = BLOCK_Q * (q_block // (BLOCK_Q + 1)) + tl.minimum(q_block % (BLOCK_Q + 1), BLOCK_Q - 1)
+    seq = tl.maximum(tl.minimum(seq, num_seqs - 1), 0)
     q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_next = tl.load(cu_q_ptr + seq + 1)
+    seq_len = tl.load(seqused_k_ptr + seq)
+    guessed = (q_start // BLOCK_Q + seq <= q_block) & ((seq == num_seqs - 1) | (q_next // BLOCK_Q + seq + 1 > q_block))
+    if not guessed:
+        seq = q_block * 0
+        hi = num_seqs - 1
+        while seq < hi:
+            mid = (seq + hi + 1) // 2
+            if tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= q_block:
+                seq = mid
+            else:
+                hi = mid - 1
+        q_start = tl.load(cu_q_ptr + seq)
+        q_next = tl.load(cu_q_ptr + seq + 1)
+        seq_len = tl.load(seqused_k_ptr + seq)
+    q_len = q_next - q_start
     q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if q_off >= q_len:
         return
-    seq_len = tl.load(seqused_k_ptr + seq)
     ctx_len = seq_len - q_len
     bt_row_ptr = block_table_ptr + seq * stride_bt
-    if PDL_WAIT:  # everything above is metadata; q and the new K/V come from the kernel before
-        tl.extra.cuda.gdc_wait()
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -277,6 +293,7 @@ def _unified_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * QPK) & (tok < q_len)
     d_ok = offs_d < HEAD_SIZE
     q_pos = ctx_len + tok
+    tok_g = q_start + tok  # token row in q / out
 
     # Keys [0, kv_end) come from the cache. The fused store writes the step's K/V in this
     # launch, so no program may read them back: its cache holds the context (kv_end =
@@ -284,59 +301,13 @@ def _unified_attention_kernel(
     # registers).
     kv_end = seq_len
     if FUSE_STORE:
+        kv_end = ctx_len
         offs_q = tl.arange(0, BLOCK_M)  # this q block's tokens: the first BLOCK_Q (<= BLOCK_M)
         rows = (q_start + q_off + offs_q).to(tl.int64)
         slots = tl.load(slot_ptr + rows, mask=(offs_q < BLOCK_Q) & (q_off + offs_q < q_len), other=-1).to(tl.int64)
         slots = tl.where(split == 0, slots, -1)  # split 0 stores
-        st_ok = (slots >= 0)[:, None] & d_ok[None, :]
-        k_rows = tl.load(key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
-                         + offs_d[None, :] * stride_nkd, mask=st_ok, other=0.0)
-        v_rows = tl.load(value_ptr + rows[:, None] * stride_nvt + kv_head * stride_nvh
-                         + offs_d[None, :] * stride_nvd, mask=st_ok, other=0.0)
-        blk_s = slots // PAGE_SIZE
-        in_s = slots % PAGE_SIZE
-        tl.store(k_ptr + (blk_s * stride_kb + in_s * stride_ks + kv_head * stride_kh)[:, None]
-                 + offs_d[None, :] * stride_kd,
-                 to_cache_dtype(k_rows, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
-                 mask=st_ok)
-        tl.store(v_ptr + (blk_s * stride_vb + in_s * stride_vs + kv_head * stride_vh)[:, None]
-                 + offs_d[None, :] * stride_vd,
-                 to_cache_dtype(v_rows, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
-                 mask=st_ok)
-        kv_end = ctx_len
         own = q_len == 1
         own_row = q_start.to(tl.int64)
-        own_ok = tl.where(own, d_ok, False)
-        k_own = tl.load(key_ptr + own_row * stride_nkt + kv_head * stride_nkh + offs_d * stride_nkd,
-                        mask=own_ok, other=0.0)
-        v_own = tl.load(value_ptr + own_row * stride_nvt + kv_head * stride_nvh + offs_d * stride_nvd,
-                        mask=own_ok, other=0.0)
-        k_own = to_cache_dtype(k_own, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
-        v_own = to_cache_dtype(v_own, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
-
-    tok_g = q_start + tok  # token row in q / out
-    q_ptrs = (q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-              + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    else:
-        if COMPUTE_DTYPE == tl.float16 and not Q_FP8:
-            # fp16 compute under a bf16 query (fp8 KV): keep huge values finite.
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
-        q = q.to(COMPUTE_DTYPE)
-
-    scale = softmax_scale
-    if Q_FP8:
-        scale = scale * tl.load(q_scale_ptr)
-    if KV_FP8:
-        scale = scale * tl.load(k_scale_ptr)
-    qk_scale2 = scale * LOG2E
-    softcap_in = scale / softcap * (2.0 * LOG2E)
-    softcap_out = softcap * LOG2E
-    alibi2 = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    if USE_ALIBI:
-        alibi2 = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
 
     # Key range of this q block, and its interior [full_lo, full_hi) that every row sees.
     q_first = ctx_len + q_off
@@ -374,6 +345,60 @@ def _unified_attention_kernel(
     else:
         s_lo = t_lo
         s_hi = t_hi
+    if ONE_LOOP:  # the first key tile's block-table entries (what its K/V addresses wait for)
+        nxt = s_lo * TILE_N + tl.arange(0, TILE_N)
+        blk_first = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE,
+                            mask=nxt < tl.minimum(kv_end, s_hi * TILE_N), other=0)
+
+    if PDL_WAIT:  # everything above is metadata; q and the new K/V come from the kernel before
+        tl.extra.cuda.gdc_wait()
+
+    if FUSE_STORE:
+        st_ok = (slots >= 0)[:, None] & d_ok[None, :]
+        k_rows = tl.load(key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
+                         + offs_d[None, :] * stride_nkd, mask=st_ok, other=0.0)
+        v_rows = tl.load(value_ptr + rows[:, None] * stride_nvt + kv_head * stride_nvh
+                         + offs_d[None, :] * stride_nvd, mask=st_ok, other=0.0)
+        blk_s = slots // PAGE_SIZE
+        in_s = slots % PAGE_SIZE
+        tl.store(k_ptr + (blk_s * stride_kb + in_s * stride_ks + kv_head * stride_kh)[:, None]
+                 + offs_d[None, :] * stride_kd,
+                 to_cache_dtype(k_rows, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
+                 mask=st_ok)
+        tl.store(v_ptr + (blk_s * stride_vb + in_s * stride_vs + kv_head * stride_vh)[:, None]
+                 + offs_d[None, :] * stride_vd,
+                 to_cache_dtype(v_rows, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
+                 mask=st_ok)
+        own_ok = tl.where(own, d_ok, False)
+        k_own = tl.load(key_ptr + own_row * stride_nkt + kv_head * stride_nkh + offs_d * stride_nkd,
+                        mask=own_ok, other=0.0)
+        v_own = tl.load(value_ptr + own_row * stride_nvt + kv_head * stride_nvh + offs_d * stride_nvd,
+                        mask=own_ok, other=0.0)
+        k_own = to_cache_dtype(k_own, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
+        v_own = to_cache_dtype(v_own, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
+
+    q_ptrs = (q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        if COMPUTE_DTYPE == tl.float16 and not Q_FP8:
+            # fp16 compute under a bf16 query (fp8 KV): keep huge values finite.
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+        q = q.to(COMPUTE_DTYPE)
+
+    scale = softmax_scale
+    if Q_FP8:
+        scale = scale * tl.load(q_scale_ptr)
+    if KV_FP8:
+        scale = scale * tl.load(k_scale_ptr)
+    qk_scale2 = scale * LOG2E
+    softcap_in = scale / softcap * (2.0 * LOG2E)
+    softcap_out = softcap * LOG2E
+    alibi2 = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    if USE_ALIBI:
+        alibi2 = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -397,7 +422,7 @@ def _unified_attention_kernel(
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
-            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len)
+            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len, blk_first=blk_first)
     else:
         if USE_WINDOW:  # leading edge tiles (left window boundary)
             acc, m_i, l_i = _attend_tiles(
