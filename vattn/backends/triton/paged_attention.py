@@ -33,9 +33,12 @@ from vattn.kernels.launch import FastLaunch, pdl_supported
 __all__ = ["paged_attention"]
 
 ATTENTION_PDL: bool = True
-"""Launch the attention kernel with programmatic dependent launch (sm_90+): it finds its
-request and block-table row while the kernel before it (RoPE, a projection) finishes, or
-as soon as that one lets it, then waits for it before reading q and the new K/V."""
+"""Launch the attention kernel with programmatic dependent launch (sm_90+, inside captured
+graphs): it reads the step's metadata (its request from ``cu_seqlens_q`` / ``seqused_k``, the
+new tokens' slots, its first block-table entries) while the kernel before it (RoPE, a
+projection) finishes, or as soon as that one lets it, then waits for it before reading q and
+the new K/V. So no kernel of the captured forward may write the metadata: vattn's graph
+runners write it into the graph's buffers before the replay."""
 
 COMBINE_PDL: bool = True
 """Launch the split-KV combine with programmatic dependent launch (sm_90+): it is scheduled
