@@ -541,42 +541,55 @@ def test_compile_sizes_validation() -> None:
         vattn.CompilationConfig(inductor_compile_config=[("max_autotune", True)])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("override", [None, False])
-def test_pieces_compile_with_combo_kernels_on_cuda(monkeypatch, override: bool | None) -> None:
-    """Pieces on a CUDA GPU (general and exact-size code) compile with Inductor's combo kernels
-    unless ``inductor_compile_config`` says otherwise; CPU pieces keep Inductor's default.
-    Checked on the CPU: Inductor's entry point recorded, the device faked."""
+def _piece_config_patches(monkeypatch, default: str, on: bool, extra: dict) -> list[dict]:  # noqa: ANN001
+    """The Inductor config patches of every piece compile (general and 1-token code) of a
+    2-layer model, with ``vattn.compile_passes.inductor``'s ``default`` function replaced by
+    one whose device check answers ``on``; Inductor's entry point only records its patches."""
     import torch._inductor.compile_fx as compile_fx_mod
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from vattn.compile_passes import inductor as inductor_mod
 
-    if not hasattr(torch._inductor.config, "combo_kernels"):
-        pytest.skip(f"torch {torch.__version__} has no combo_kernels")
-    with FakeTensorMode():
-        on_gpu = torch.empty(2, device="cuda")
-    assert inductor_mod.combo_default([on_gpu, 3]) == {"combo_kernels": True}
-    assert inductor_mod.combo_default([torch.ones(2)]) == {}
-    assert inductor_mod.combo_default([on_gpu, torch.ones(2)]) == {}  # a piece across devices: left alone
     patches: list[dict] = []
 
     def record(graph, example_inputs, config_patches=None, **kwargs):  # noqa: ANN001, ANN202
         patches.append(dict(config_patches or {}))
         return graph
 
-    extra = {} if override is None else {"combo_kernels": override}
     monkeypatch.setattr(compile_fx_mod, "compile_fx", record)
+    if default == "on_pdl_device":
+        monkeypatch.setattr(inductor_mod, default, lambda args: on)
+    else:
+        monkeypatch.setattr(inductor_mod, default, lambda args: {"combo_kernels": True} if on else {})
+    model, cfg, kv = build(2, compile_sizes=(1,), inductor_compile_config=extra)
+    compiled = vattn.compile(model, cfg)
+    for n in (3, 1):  # general code, then the 1-token code
+        common = kv.common_metadata([n], [4], [[1, 2]])
+        got = run(compiled, cfg, kv, torch.arange(n), torch.arange(4, 4 + n), common)
+        assert got.shape == (n, H)
+    counter = compiled.backend.counter
+    assert len(patches) == counter.num_inductor_compiles + counter.num_static_compiles > counter.num_inductor_compiles
+    return patches
+
+
+@pytest.mark.parametrize("override", [None, False])
+def test_pieces_compile_with_combo_kernels_on_cuda(monkeypatch, override: bool | None) -> None:
+    """Pieces on a CUDA GPU (general and exact-size code) compile with Inductor's combo kernels
+    unless ``inductor_compile_config`` says otherwise; CPU pieces keep Inductor's default.
+    Checked on the CPU: Inductor's entry point recorded, the device faked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vattn.compile_passes.inductor import combo_default
+
+    if not hasattr(torch._inductor.config, "combo_kernels"):
+        pytest.skip(f"torch {torch.__version__} has no combo_kernels")
+    with FakeTensorMode():
+        on_gpu = torch.empty(2, device="cuda")
+    assert combo_default([on_gpu, 3]) == {"combo_kernels": True}
+    assert combo_default([torch.ones(2)]) == {}
+    assert combo_default([on_gpu, torch.ones(2)]) == {}  # a piece across devices: left alone
+    extra = {} if override is None else {"combo_kernels": override}
     for cuda in (False, True):
-        monkeypatch.setattr(inductor_mod, "combo_default",
-                            lambda args, cuda=cuda: {"combo_kernels": True} if cuda else {})
-        patches.clear()
-        model, cfg, kv = build(2, compile_sizes=(1,), inductor_compile_config=extra)
-        compiled = vattn.compile(model, cfg)
-        for n in (3, 1):  # general code, then the 1-token code
-            common = kv.common_metadata([n], [4], [[1, 2]])
-            run(compiled, cfg, kv, torch.arange(n), torch.arange(4, 4 + n), common)
-        counter = compiled.backend.counter
-        assert len(patches) == counter.num_inductor_compiles + counter.num_static_compiles > counter.num_inductor_compiles
+        patches = _piece_config_patches(monkeypatch, "combo_default", cuda, extra)
         want = override if override is not None else (True if cuda else None)
         assert [p.get("combo_kernels") for p in patches] == [want] * len(patches)
 
@@ -586,30 +599,10 @@ def test_pieces_compile_with_inductor_pdl_on_sm90(monkeypatch, override: bool | 
     """On an sm_90+ GPU every piece (general and exact-size code) compiles with Inductor's
     programmatic dependent launch, unless ``inductor_compile_config`` says otherwise; elsewhere
     the config is left alone. Checked on the CPU with Inductor's entry point recorded."""
-    import torch._inductor.compile_fx as compile_fx_mod
-
-    from vattn.compile_passes import inductor as inductor_mod
-
     if not hasattr(torch._inductor.config.triton, "enable_pdl"):
         pytest.skip(f"torch {torch.__version__} has no triton.enable_pdl")
-    patches: list[dict] = []
-
-    def record(graph, example_inputs, config_patches=None, **kwargs):  # noqa: ANN001, ANN202
-        patches.append(dict(config_patches or {}))
-        return graph
-
     extra = {} if override is None else {"triton.enable_pdl": override}
-    monkeypatch.setattr(compile_fx_mod, "compile_fx", record)
     for sm90 in (False, True):
-        monkeypatch.setattr(inductor_mod, "on_pdl_device", lambda args, sm90=sm90: sm90)
-        patches.clear()
-        model, cfg, kv = build(2, compile_sizes=(1,), inductor_compile_config=extra)
-        compiled = vattn.compile(model, cfg)
-        for n in (3, 1):  # general code, then the 1-token code
-            common = kv.common_metadata([n], [4], [[1, 2]])
-            got = run(compiled, cfg, kv, torch.arange(n), torch.arange(4, 4 + n), common)
-            assert got.shape == (n, H)
-        counter = compiled.backend.counter
-        assert len(patches) == counter.num_inductor_compiles + counter.num_static_compiles > counter.num_inductor_compiles
+        patches = _piece_config_patches(monkeypatch, "on_pdl_device", sm90, extra)
         want = override if override is not None else (True if sm90 else None)
         assert [p.get("triton.enable_pdl") for p in patches] == [want] * len(patches)
