@@ -51,7 +51,7 @@ def combo_default(args: Sequence[Any]) -> dict[str, Any]:
 
     Kernels of a piece that do not depend on each other then run as one launch: in a decoder
     layer, RoPE of the queries and RoPE of the keys (transformers rotates them in two
-    expressions, which Inductor otherwise compiles into two kernels of a few microseconds each).
+    expressions, which Inductor otherwise compiles into two small kernels, each paying a launch).
     """
     devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
     if devices == {"cuda"} and hasattr(torch._inductor.config, "combo_kernels"):
