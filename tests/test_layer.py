@@ -153,6 +153,37 @@ def test_forward_matches_dense_reference_over_steps(vattn_config):
             start += n
 
 
+def test_rope_rows_rotate_q_and_k(vattn_config):
+    """``layer(q, k, v, rope=(cos, sin))`` with unrotated q / k equals the layer over q / k rotated
+    first (``vattn.ops.rotary.apply_rotary``): output and cache, over a prefill and decodes
+    (TORCH_SDPA, which rotates in the op); bad rows are refused before anything is written."""
+    from vattn.ops.rotary import apply_rotary
+
+    layers = [_layer("plain"), _layer("rope")]
+    kv = vattn.allocate_kv_cache(vattn_config, num_blocks=16, dtype=torch.float32)
+    tables = [[3, 7, 1], [5, 2]]
+    g = torch.Generator().manual_seed(5)
+    for query_lens, computed in (([5, 3], [0, 0]), ([1, 1], [5, 3])):
+        md = kv.build_metadata(kv.common_metadata(query_lens, computed, tables))
+        t = sum(query_lens)
+        q, k = torch.randn(t, H * D, generator=g), torch.randn(t, HK * D, generator=g)
+        v = torch.randn(t, HK * D, generator=g)
+        angle = torch.rand(t, D // 2, generator=g) * 30
+        cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+        with vattn.set_forward_context(md, vattn_config):
+            want = layers[0](apply_rotary(q.view(t, H, D), cos, sin), apply_rotary(k.view(t, HK, D), cos, sin), v)
+            got = layers[1](q, k, v, rope=(cos, sin))
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(layers[0].kv_cache[0], layers[1].kv_cache[0])
+    before = layers[1].kv_cache[0].clone()
+    with vattn.set_forward_context(md, vattn_config):
+        with pytest.raises(ValueError, match=r"rope_cos must be \(T >= 2, head_size = 16\)"):
+            layers[1](q, k, v, rope=(cos[:, :8], sin[:, :8]))
+        with pytest.raises(ValueError, match="rope_cos and rope_sin come together"):
+            layers[1](q, k, v, rope=(cos, None))
+    assert torch.equal(layers[1].kv_cache[0], before)
+
+
 def test_input_errors(vattn_config):
     layer = _layer("a")
     with pytest.raises(RuntimeError, match="no vattn forward context"):

@@ -115,12 +115,19 @@ def test_matches_transformers_generate(family: str) -> None:
     assert_matches_reference(family, engine, reqs)
 
 
+#: Families whose RoPE is transformers' rotate-half over the whole head (Phi-3 splits off a
+#: pass-through part, gpt-oss rotates chunks in its own function): ``fuse_rope`` rewrites them.
+ROTATE_HALF = ("gemma2", "gemma3", "llama", "mistral", "olmo2", "qwen2", "qwen3")
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
-    """``vattn.compile`` (Inductor): one graph for every batch composition and token count, 1 included."""
+    """``vattn.compile`` (Inductor): one graph for every batch composition and token count, 1 included.
+    With ``fuse_rope=True`` the attention op gets the unrotated q / k and the cos / sin rows
+    (TORCH_SDPA rotates them in the op): the same tokens and logits."""
     from torch._dynamo.utils import counters
 
-    model, cfg, kv = wrapped(family)
+    model, cfg, kv = wrapped(family, vattn.CompilationConfig(fuse_rope=True))
     if getattr(model.config, "num_local_experts", None) and not hasattr(model.hf_model, "set_experts_implementation"):
         pytest.skip(f"transformers {transformers.__version__} runs {family}'s experts as a loop over the experts "
                     "a batch hits (data-dependent): no fullgraph compile; transformers >= 5 has batched experts")
@@ -140,20 +147,37 @@ def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
     assert_matches_reference(family, engine, reqs)
     # wrap packed the bias-free q/k/v and gate/up weights; compiled, each packed group is one GEMM
     assert (compiled.backend.counter.num_packed_linear_groups > 0) == (packed_groups(model.hf_model) > 0)
+    layers = len(model.attention_layers())
+    assert compiled.backend.counter.num_rope_fusions == (layers if family in ROTATE_HALF else 0)
+
+
+@pytest.mark.parametrize("fuse_rope", [None, False])
+def test_fuse_rope_off_for_backends_that_rotate_in_the_op(fuse_rope: bool | None) -> None:
+    """``fuse_rope=None`` (default) rewrites only layers whose backend rotates in its kernels
+    (TORCH_SDPA does not), ``False`` none: transformers' RoPE stays in the compiled pieces."""
+    model, cfg, kv = wrapped("llama", vattn.CompilationConfig(fuse_rope=fuse_rope))
+    compiled = vattn.compile(model, cfg)
+    engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, forward_fn=compiled)
+    engine.add_request(list(range(3, 11)), SamplingParams(max_tokens=2))
+    engine.run()
+    assert compiled.backend.counter.num_graphs_seen == 1 and compiled.backend.counter.num_rope_fusions == 0
+    with pytest.raises(TypeError, match="fuse_rope must be None"):
+        vattn.CompilationConfig(fuse_rope="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_compiled_warm_start_from_cache_dir(family: str, tmp_path: Path) -> None:
     """``CompilationConfig.cache_dir``: the first compile stores Dynamo's trace (transformers'
     forward decorators add guards on code objects that no file can hold: the trace leaves them
-    out), the compile of a fresh wrap loads it, and both give transformers' tokens and logits."""
+    out), the compile of a fresh wrap loads it, and both give transformers' tokens and logits.
+    The stored trace has the RoPE rewrite (``fuse_rope``) in it."""
     from vattn.compile_passes import aot_cache
 
     if aot_cache.aot_supported() is not None:
         pytest.skip(f"{aot_cache.aot_supported()}: cache_dir is ignored on this torch")
     runs = []
     for _ in range(2):
-        model, cfg, kv = wrapped(family, vattn.CompilationConfig(cache_dir=str(tmp_path)))
+        model, cfg, kv = wrapped(family, vattn.CompilationConfig(cache_dir=str(tmp_path), fuse_rope=True))
         compiled = vattn.compile(model, cfg)
         engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=BUDGET, forward_fn=compiled,
                         record_logits=True)
@@ -162,6 +186,7 @@ def test_compiled_warm_start_from_cache_dir(family: str, tmp_path: Path) -> None
         runs.append(compiled)
     first, second = runs
     assert not first.trace_loaded and second.trace_loaded and second.trace_path == first.trace_path
+    assert first.backend.counter.num_rope_fusions == len(model.attention_layers())
     assert [Path(first.trace_path)] == sorted(tmp_path.glob("*.dynamo"))
 
 
@@ -416,13 +441,14 @@ from vattn.integrations import transformers as vt
 from examples.engine import Engine, SamplingParams
 from examples.hf_model import tiny_config, random_model
 transformers.logging.set_verbosity_error()
-for family in ("gemma2", "gemma3", "gpt_oss"):
+for family, compiled in (("gemma2", False), ("gemma3", False), ("gpt_oss", False), ("gemma3", True)):
     hf = random_model(tiny_config(family), seed=1)
     ref = copy.deepcopy(hf)
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16))
     model = vt.wrap(hf, cfg, attn_backend="TRITON_ATTN")
     kv = vattn.allocate_kv_cache(cfg, num_blocks=8, device="cpu", dtype=torch.float32)
-    engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=16, record_logits=True)
+    forward = vattn.compile(model, cfg) if compiled else None  # RoPE rotated in the Triton kernels
+    engine = Engine(model, cfg, kv, device="cpu", max_num_batched_tokens=16, record_logits=True, forward_fn=forward)
     g = torch.Generator().manual_seed(7)
     reqs = [engine.add_request(torch.randint(3, 320, (n,), generator=g).tolist(), SamplingParams(max_tokens=4))
             for n in (5, 29)]
@@ -433,13 +459,16 @@ for family in ("gemma2", "gemma3", "gpt_oss"):
             want = ref(seq).logits[0, len(r.prompt_token_ids) - 1:]
         err = (torch.stack(engine.logits[r.req_id]) - want).abs().max().item()
         assert err < 1e-4, (family, err)
+    if compiled:
+        assert forward.backend.counter.num_rope_fusions == len(model.attention_layers())
 print("ok")
 """
 
 
 def test_triton_attn_backend_in_the_interpreter() -> None:
-    """TRITON_ATTN on transformers' strided q/k/v (soft cap, sliding windows, sinks), in the Triton
-    interpreter (a process of its own: ``TRITON_INTERPRET`` is read when the kernels are defined)."""
+    """TRITON_ATTN on transformers' strided q/k/v (soft cap, sliding windows, sinks), eager and
+    compiled (RoPE handed to the kernels), in the Triton interpreter (a process of its own:
+    ``TRITON_INTERPRET`` is read when the kernels are defined)."""
     pytest.importorskip("triton")
     import os
 

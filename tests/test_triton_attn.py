@@ -321,7 +321,8 @@ def test_fused_store_matches_store_then_attend(monkeypatch: pytest.MonkeyPatch) 
     assert_close(outs[0][: batch.num_actual_tokens], batch.reference(scale=32**-0.5), torch.bfloat16)
 
 
-def test_fused_store_launcher_arguments() -> None:
+def test_launcher_argument_checks() -> None:
+    """The fused store's and the rotary rows' arguments are checked before any launch."""
     batch = make_random_batch(BatchSpec(context_lens=(3,), query_lens=(1,), **SMALL), seed=32)
     c = batch.common
     kc, vc = batch.kv_cache.unbind(0)
@@ -335,6 +336,103 @@ def test_fused_store_launcher_arguments() -> None:
     with pytest.raises(ValueError, match="slot_mapping must be"):
         tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), key=batch.key,
                               value=batch.value, slot_mapping=c.slot_mapping.float(), **kw)
+    cos, sin = rotary_rows(1, 32, torch.float32, seed=46)  # rotary rows: both, (T, D)
+    with pytest.raises(ValueError, match="rope_cos and rope_sin come together"):
+        tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), rope_cos=cos, **kw)
+    with pytest.raises(ValueError, match=r"rope_sin must be \(T >= 1, head_size = 32\)"):
+        tua.paged_attention(batch.query, kc, vc, torch.empty_like(batch.query), rope_cos=cos, rope_sin=sin[:, :16],
+                            **kw)
+
+
+# ---- RoPE rotated as the kernels load q and k --------------------------------------------------
+
+
+def same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit in the interpreter; on a GPU Triton may contract ``x * cos + y * sin`` into an FMA,
+    which can move a rounded key by one unit in the last place."""
+    if got.device.type == "cpu":
+        assert torch.equal(got, want), "the cache differs from keys rotated first"
+    else:
+        tol = 1e-6 if got.dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def rotary_rows(num_tokens: int, head_size: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, D) cos / sin rows of random positions and frequencies, rotate-half layout (both halves equal)."""
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.rand(num_tokens, 1, generator=g) * 500.0 * torch.rand(head_size // 2, generator=g)
+    angle = torch.cat((angle, angle), dim=-1)
+    return angle.cos().to(dtype).to(DEV), angle.sin().to(dtype).to(DEV)
+
+
+ROPE_CASES = {
+    # decode config: K/V stored by the attention kernel, 4 splits, own key from registers
+    "decode-fused-store": (DECODES, UnifiedAttentionConfig(16, 16, 4, 4, 3, one_loop=True)),
+    # decode config on a mixed batch: the step's keys of longer queries read in tiles
+    "mixed-one-loop": (dict(MIXED, num_pad_tokens=2), UnifiedAttentionConfig(16, 16, 1, 4, 3, one_loop=True)),
+    # prefill config: the KV-store kernel rotates the keys, attention only q
+    "mixed-store-first": (dict(MIXED, num_pad_tokens=2), None),
+}
+
+
+# bf16 on the GPU only: the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest.
+ROPE_DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if HAS_CUDA else [])]
+
+
+@pytest.mark.parametrize("dtype", ROPE_DTYPES)
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_rotated_as_the_kernels_load(case: str, dtype: torch.dtype) -> None:
+    """``rope=(cos, sin)`` with unrotated q / k gives what q and k rotated first
+    (``vattn.ops.rotary.apply_rotary``) give, a path the other tests compare with the dense
+    reference: the same cache bit for bit, the same output; padding rows and other slots untouched."""
+    from vattn.ops.rotary import apply_rotary
+
+    lens, config = ROPE_CASES[case]
+    spec = BatchSpec(**lens, num_heads=6, num_kv_heads=2, head_size=32, block_size=8, dtype=dtype, device=DEV)
+    results = []
+    for fused in (True, False):
+        batch = make_random_batch(spec, seed=41)
+        cos, sin = rotary_rows(batch.query.shape[0], 32, dtype, seed=42)
+        md = _builder(batch).build(0, batch.common)
+        if config is not None:
+            md.config = config
+        impl = TritonAttentionImpl(6, 32, 32**-0.5, 2)
+        before = batch.kv_cache.clone()
+        out = torch.zeros_like(batch.query)
+        if fused:
+            impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out,
+                         rope=(cos, sin))
+        else:
+            impl.forward(batch.layer, apply_rotary(batch.query, cos, sin), apply_rotary(batch.key, cos, sin),
+                         batch.value, batch.kv_cache, md, output=out)
+        results.append((out, batch.kv_cache))
+        check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+    (out, cache), (want_out, want_cache) = results
+    same_cache(cache, want_cache)
+    n = batch.num_actual_tokens
+    torch.testing.assert_close(out[:n].float(), want_out[:n].float(), atol=1e-5 if dtype == torch.float32 else 1e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert (out[n:] == 0).all(), "padding rows of the output were written"
+
+
+def test_rope_store_kv_kernel() -> None:
+    """The KV-store kernel stores keys rotated by the rows given (values as they are), as it
+    stores keys rotated first; other slots untouched."""
+    from vattn.ops.rotary import apply_rotary
+
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter truncates fp32 -> bf16
+    spec = BatchSpec(context_lens=(5, 20), query_lens=(1, 6), **SMALL, dtype=dtype, num_pad_tokens=2)
+    batch = make_random_batch(spec, seed=43)
+    cos, sin = rotary_rows(batch.key.shape[0], 32, dtype, seed=44)
+    before = batch.kv_cache.clone()
+    k_cache, v_cache = batch.kv_cache.unbind(0)
+    triton_store_kv(batch.key, batch.value, k_cache, v_cache, batch.common.slot_mapping, "auto",
+                    batch.layer._k_scale, batch.layer._v_scale, rope=(cos, sin))
+    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
+    want = before.clone()
+    triton_store_kv(apply_rotary(batch.key, cos, sin), batch.value, *want.unbind(0), batch.common.slot_mapping,
+                    "auto", batch.layer._k_scale, batch.layer._v_scale)
+    same_cache(batch.kv_cache, want)
 
 
 # ---- split-KV and launch configs -------------------------------------------------------------

@@ -119,6 +119,12 @@ class CompilationConfig:
             input whose weights are consecutive rows of one buffer (q / k / v, gate / up of a
             transformers model after ``vattn.integrations.transformers.wrap``, which packs them)
             as one GEMM (``vattn.compile_passes.packed_linears``).
+        fuse_rope: hand the model's rotary embedding of q and k (transformers'
+            ``apply_rotary_pos_emb``: rotate-half form over the whole head) to the attention op
+            as (T, D) cos / sin rows (``vattn.compile_passes.rope_fusion``), so it costs no kernel
+            of its own. None (default): for the layers whose backend rotates q and the new keys
+            in its own kernels (TRITON_ATTN); True: every layer (the others rotate in the op,
+            in torch); False: never.
         inductor_compile_config: extra Inductor config (``torch._inductor.config`` names) for
             every piece compile, e.g. ``{"max_autotune": True}``. On sm_90+ GPUs the pieces
             compile with Inductor's programmatic dependent launch on (``triton.enable_pdl``:
@@ -151,6 +157,7 @@ class CompilationConfig:
     compile_sizes: tuple[int, ...] = ()
     piece_passes: tuple[Callable[..., int], ...] = field(default=(), compare=False)
     merge_packed_linears: bool = True
+    fuse_rope: bool | None = None
     inductor_compile_config: dict[str, Any] = field(default_factory=dict, compare=False)
     debug_dump_path: str | None = None
     cache_dir: str | None = None
@@ -171,6 +178,9 @@ class CompilationConfig:
                 f"(graph, example_inputs, num_tokens) -> int, got {passes!r}."
             )
         object.__setattr__(self, "piece_passes", tuple(passes))
+        if self.fuse_rope not in (None, True, False):
+            raise TypeError(f"CompilationConfig.fuse_rope must be None (backends that rotate in their kernels), "
+                            f"True or False, got {self.fuse_rope!r}.")
         if not isinstance(self.inductor_compile_config, dict):
             raise TypeError(
                 f"CompilationConfig.inductor_compile_config must be a dict of torch._inductor.config "

@@ -18,6 +18,7 @@ from vattn.ops.attention import run_layer
 from vattn.ops.kv_store import fp8_dtype_for
 from vattn.ops.library import eager_direct_ok
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8
+from vattn.ops.rotary import rope_args
 from vattn.platform import current_platform
 from vattn.selector import backend_name_to_enum, get_attn_backend
 
@@ -305,9 +306,10 @@ class Attention(nn.Module, AttentionLayerBase):
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-        output_shape: torch.Size | None = None,
+        output_shape: torch.Size | None = None, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Attend over the paged cache. Shapes in the class docstring; returns (T, H*D)."""
+        """Attend over the paged cache. Shapes in the class docstring; returns (T, H*D). ``rope``: (cos, sin)
+        (T, head_size) rotate-half rows for an unrotated q / key (``vattn.ops.rotary.rope_args``)."""
         direct = self.use_direct_call
         if not torch.compiler.is_compiling():
             # Under torch.compile the attention op's fake implementation runs the same checks
@@ -326,6 +328,7 @@ class Attention(nn.Module, AttentionLayerBase):
                 query, key, value, self._q_scale, self._k_scale, self._v_scale, self.layer_name
             )
         output_dtype = query.dtype
+        query, key, rope_kw = rope_args(self, query, key, rope)
         if self.query_quant is not None:
             # Opaque quant op in eager; vattn.compile's query_quant_fusion pass turns it into
             # plain torch ops that Inductor fuses into the kernel producing q.
@@ -339,21 +342,21 @@ class Attention(nn.Module, AttentionLayerBase):
             if direct and output_shape is None:  # eager: (T, H, D) made as such, one view less
                 output = torch.empty((query.shape[0], self.num_heads, self.head_size), dtype=output_dtype,
                                      device=query.device)
-                run_layer(query, key, value, output, self.layer_name)  # the op's implementation, without the dispatcher
+                run_layer(query, key, value, output, self.layer_name, **rope_kw)  # the op's body, no dispatcher
                 return output.view(-1, hidden_size)
             if output_shape is None:
                 output_shape = torch.Size((query.shape[0], hidden_size))
             output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
             output = output.view(-1, self.num_heads, self.head_size)
             if direct:
-                run_layer(query, key, value, output, self.layer_name)
+                run_layer(query, key, value, output, self.layer_name, **rope_kw)
             else:
-                torch.ops.vattn.unified_attention_with_output(query, key, value, output, self.layer_name)
+                torch.ops.vattn.unified_attention_with_output(query, key, value, output, self.layer_name, **rope_kw)
             return output.view(-1, output_shape[-1])
         if direct:
-            out = run_layer(query, key, value, None, self.layer_name)
+            out = run_layer(query, key, value, None, self.layer_name, **rope_kw)
         else:
-            out = torch.ops.vattn.unified_attention(query, key, value, self.layer_name)
+            out = torch.ops.vattn.unified_attention(query, key, value, self.layer_name, **rope_kw)
         return out.reshape(-1, hidden_size)
 
     # ---- fp8 scales and loading ---------------------------------------------------------

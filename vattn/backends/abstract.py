@@ -245,8 +245,7 @@ class AttentionBackend(ABC):
 class AttentionImpl(ABC, Generic[M]):
     """Runs one layer's attention: store new K/V in the paged cache, then attend.
 
-    Constructed once per layer by ``vattn.Attention`` with the layer's hyperparameters.
-    """
+    Constructed once per layer by ``vattn.Attention`` with the layer's hyperparameters."""
 
     num_heads: int
     head_size: int
@@ -256,6 +255,7 @@ class AttentionImpl(ABC, Generic[M]):
     logits_soft_cap: float | None
     kv_cache_dtype: str
     attn_type: str
+    fuses_rope: bool = False  #: forward takes ``rope=(cos, sin)`` with unrotated q / key (``vattn.ops.attention``)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,

@@ -2,6 +2,8 @@
 
 Dynamo traces the whole model (``fullgraph=True``). ``VattnBackend`` then:
 
+0. hands each attention layer the rotary embedding of its q and k where it can take it over
+   (``rope_fusion.py``, ``CompilationConfig.fuse_rope``);
 1. splits the FX graph at the splitting ops (``CompilationConfig.splitting_ops``, by default
    the two ``vattn::unified_attention*`` ops; ``split.py``), so each attention op is alone in
    its own submodule and the rest forms *pieces* between them;
@@ -29,6 +31,7 @@ Counters: ``VattnBackend.counter`` (per backend) and ``compilation_counter`` (pr
 | num_piece_reuses | pieces that reused an identical piece's compiled code |
 | num_static_compiles | compiles for one exact token count (``compile_sizes``; lazily, per distinct piece) |
 | num_packed_linear_groups | linear layers of one input over one packed weight, made one GEMM (``packed_linears.py``; per compiled piece) |
+| num_rope_fusions | attention ops that took their q / k rotation over (``rope_fusion.py``; per traced graph) |
 | compile_seconds | wall time spent compiling pieces |
 """
 
@@ -45,6 +48,7 @@ import torch
 import torch.fx as fx
 
 from vattn.compile_passes import packed_linears
+from vattn.compile_passes.rope_fusion import fuse_rope
 from vattn.compile_passes.aot_cache import SerializableSplitModule
 from vattn.compile_passes.inductor import compile_with_inductor, shape_guards_suppressed
 from vattn.compile_passes.pass_manager import PostGradPassManager
@@ -69,6 +73,7 @@ class CompilationCounter:
     num_piece_reuses: int = 0
     num_static_compiles: int = 0
     num_packed_linear_groups: int = 0
+    num_rope_fusions: int = 0
     compile_seconds: float = 0.0
 
     def snapshot(self) -> "CompilationCounter":
@@ -128,8 +133,12 @@ class VattnBackend:
         return self._pass_manager
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        if self.config.compilation.merge_packed_linears:
+        comp = self.config.compilation
+        if comp.merge_packed_linears:
             packed_linears.mark(gm, example_inputs)  # before a capture is saved: a loaded trace has the tags
+        # Before the split (which would put the rotation and the attention op in different
+        # items) and before a capture is saved (a loaded trace has the rewrite).
+        bump(self.counter, num_rope_fusions=fuse_rope(gm, comp.static_forward_context, comp.fuse_rope))
         if self.serializable:  # compiled later, as a loaded trace is (aot_cache.compile_and_save)
             self.captured = SerializableSplitModule(gm, None, self.splitting_ops)
             return self.captured

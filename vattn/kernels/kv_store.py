@@ -3,6 +3,7 @@
 ``slot = block_id * block_size + offset_in_block``; negative slots are padding (CUDA-graph
 padded tokens) and write nothing. The cache views may have any strides (NHD or HND
 physical layout). fp8 caches store ``clamp(x / scale, -max, max)`` rounded to nearest.
+Given rotary rows, keys are stored rotated (``vattn.kernels.rotary``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import triton.language as tl
 
 from vattn.kernels.fp8 import FP8_DTYPES, fp8_round_fix, to_cache_dtype
 from vattn.kernels.launch import FastLaunch, next_power_of_2
+from vattn.kernels.rotary import rotate_half_load
 
 __all__ = ["triton_store_kv"]
 
@@ -22,17 +24,18 @@ _FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_slots,
-    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr,
+    num_slots, stride_rope, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_ROUND_FIX: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_ROUND_FIX: tl.constexpr, ROPE: tl.constexpr = False,
 ):
     """One program per (token, group of BLOCK_H heads): copies a (BLOCK_H, D) tile of K and V.
     Slots outside ``[0, num_slots)`` are skipped: padding (< 0), or a hand-built slot mapping
-    past the cache, which must not fault the GPU (``VATTN_DEBUG_CHECKS=1`` rejects it)."""
+    past the cache, which must not fault the GPU (``VATTN_DEBUG_CHECKS=1`` rejects it).
+    ``ROPE``: rotate K by row ``t`` of ``cos_ptr`` / ``sin_ptr`` (token stride ``stride_rope``)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
@@ -43,8 +46,15 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_SIZE)[None, :]
 
-    k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
-                mask=mask)
+    k_rows = key_ptr + t * stride_kt + offs_h[:, None] * stride_kh
+    if ROPE:
+        first_half = offs_d < HEAD_SIZE // 2
+        partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
+        cs = t * stride_rope + offs_d[None, :]
+        k = rotate_half_load(k_rows + offs_d[None, :] * stride_kd, k_rows + partner[None, :] * stride_kd,
+                             cos_ptr + cs, sin_ptr + cs, first_half[None, :], mask, key_ptr.dtype.element_ty)
+    else:
+        k = tl.load(k_rows + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask)
     kc = (key_cache_ptr + blk * stride_kcb + off * stride_kcs
@@ -81,6 +91,7 @@ def triton_store_kv(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write ``key``/``value`` rows into the paged caches at ``slot_mapping`` (no host sync).
 
@@ -95,7 +106,8 @@ def triton_store_kv(
 
     ``kv_cache_dtype`` is the ``CacheConfig.cache_dtype`` string: ``"fp8"``/``"fp8_e4m3"``
     (float8_e4m3fn) and ``"fp8_e5m2"`` quantize ``x / scale`` with saturation; anything else
-    stores ``x`` cast to the cache dtype.
+    stores ``x`` cast to the cache dtype. ``rope``: (T, D) cos / sin rows; keys are stored
+    rotated by them (``vattn.ops.rotary.apply_rotary``), values as given.
     """
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
         raise ValueError(f"key_cache and value_cache must both be (num_blocks, block_size, Hk, D), got "
@@ -114,13 +126,17 @@ def triton_store_kv(
     head_pad = next_power_of_2(head_size)
     block_h = max(1, min(next_power_of_2(num_kv_heads), 2048 // head_pad))
     grid = (num_tokens, -(-num_kv_heads // block_h))
+    cos, sin = rope if rope is not None else (key, key)
+    if rope is not None and (cos.stride(1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     _STORE_KV[grid](
         key, value, key_cache, value_cache, slot_mapping,
-        k_scale if fp8 else key, v_scale if fp8 else key, key_cache.shape[0] * page_size,
+        k_scale if fp8 else key, v_scale if fp8 else key, cos, sin, key_cache.shape[0] * page_size,
+        cos.stride(0) if rope is not None else 0,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_H=block_h, PAGE_SIZE=page_size,
         FP8=fp8, FP8_MAX=_FP8_MAX[key_cache.dtype] if fp8 else 0.0,
-        FP8_ROUND_FIX=fp8_round_fix(key_cache.dtype, key_cache.device),
+        FP8_ROUND_FIX=fp8_round_fix(key_cache.dtype, key_cache.device), ROPE=rope is not None,
         num_warps=4 if block_h * head_pad >= 1024 else 1,
     )

@@ -4,6 +4,10 @@ and ``vattn::maybe_calc_kv_scales``.
 Each looks its layer up by name in the forward context and runs the layer's backend impl.
 To ``torch.compile`` they are opaque (only their fakes are traced), so the step's metadata
 never becomes a graph input and ``vattn.compile`` splits the graph at them.
+
+``rope_cos`` / ``rope_sin`` ((T, D) rows, rotate-half RoPE): q and key arrive unrotated. A
+backend that rotates in its own kernels (``AttentionImpl.fuses_rope``) gets them as ``rope``;
+for the others the op rotates q and key first (``vattn.ops.rotary.apply_rotary``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from vattn.backends.debug_checks import check_backend_metadata
 from vattn.config import get_current_vattn_config
 from vattn.forward_context import get_forward_context, is_forward_context_available
 from vattn.ops.library import register_op
+from vattn.ops.rotary import apply_rotary, check_rope
 
 __all__ = ["check_call", "check_traced", "maybe_calc_kv_scales", "run_layer", "unified_attention",
            "unified_attention_with_output"]
@@ -35,6 +40,8 @@ def run_layer(
     output: torch.Tensor | None,
     layer_name: str,
     output_scale: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     ctx = get_forward_context()
     layer = ctx.layer(layer_name)
@@ -48,6 +55,13 @@ def run_layer(
     check_call(layer, query, key, value, kv_cache, attn_metadata, ctx.debug_checks)
     if output is None and layer.use_output:
         output = torch.empty_like(query)
+    if rope_cos is not None or rope_sin is not None:
+        check_rope(rope_cos, rope_sin, query, layer.head_size, layer_name)
+        if layer.impl.fuses_rope:
+            return layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output=output,
+                                      output_scale=output_scale, rope=(rope_cos, rope_sin))
+        query = apply_rotary(query, rope_cos, rope_sin)
+        key = None if key is None else apply_rotary(key, rope_cos, rope_sin)
     return layer.impl.forward(
         layer, query, key, value, kv_cache, attn_metadata, output=output, output_scale=output_scale
     )
@@ -138,12 +152,15 @@ def unified_attention_with_output(
     output: torch.Tensor,
     layer_name: str,
     output_scale: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> None:
     """Attention of layer ``layer_name`` written into ``output`` (T, H, D); see ``vattn.Attention``."""
-    run_layer(query, key, value, output, layer_name, output_scale)
+    run_layer(query, key, value, output, layer_name, output_scale, rope_cos, rope_sin)
 
 
-def check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str) -> None:
+def check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str,
+                 rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None) -> None:
     """The layer's input checks at trace time (``Attention`` or ``MLAAttention.check_traced_inputs``), when the
     layer can be found (a forward context, or the current config, names it)."""
     layer = None
@@ -153,6 +170,8 @@ def check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Ten
         layer = get_current_vattn_config().compilation.static_forward_context.get(layer_name)
     if layer is not None:
         layer.check_traced_inputs(query, key, value)
+        if rope_cos is not None or rope_sin is not None:
+            check_rope(rope_cos, rope_sin, query, layer.head_size, layer_name)
 
 
 def _unified_attention_with_output_fake(
@@ -162,8 +181,10 @@ def _unified_attention_with_output_fake(
     output: torch.Tensor,
     layer_name: str,
     output_scale: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> None:
-    check_traced(query, key, value, layer_name)
+    check_traced(query, key, value, layer_name, rope_cos, rope_sin)
 
 
 register_op(
@@ -175,16 +196,18 @@ register_op(
 
 
 def unified_attention(
-    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str,
+    rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of layer ``layer_name`` for backends without an output buffer; returns (T, H, D)."""
-    return run_layer(query, key, value, None, layer_name).clone()
+    return run_layer(query, key, value, None, layer_name, None, rope_cos, rope_sin).clone()
 
 
 def _unified_attention_fake(
-    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, layer_name: str,
+    rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_traced(query, key, value, layer_name)
+    check_traced(query, key, value, layer_name, rope_cos, rope_sin)
     return torch.empty_like(query).contiguous()
 
 

@@ -104,6 +104,7 @@ def store_kv(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write ``key``/``value`` rows into the paged cache at ``slot_mapping``.
 
@@ -113,14 +114,19 @@ def store_kv(
     | key_cache, value_cache | (num_blocks, block_size, Hk, D), any strides (NHD or HND) |
     | slot_mapping | (>= T,) int; slot = block * block_size + offset; < 0 skips the row |
     | k_scale, v_scale | 0-dim float32; fp8 caches store ``x / scale`` |
+    | rope | optional (cos, sin), each (>= T, D): keys are stored rotated (``vattn.ops.rotary``) |
 
     Only the first ``min(T, len(slot_mapping))`` rows are considered.
     """
     if key_cache.is_cuda:
         from vattn.kernels.kv_store import triton_store_kv
 
-        triton_store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+        triton_store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, rope)
         return
+    if rope is not None:
+        from vattn.ops.rotary import apply_rotary
+
+        key = apply_rotary(key, *rope)
     slots, rows = valid_slots(slot_mapping, min(key.shape[0], slot_mapping.shape[0]))
     store_rows(key, value, key_cache, value_cache, slots, rows, k_scale, v_scale)
 

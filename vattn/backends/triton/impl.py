@@ -1,8 +1,10 @@
 """TRITON_ATTN's impl: store the step's new K/V, then one launch of the paged-attention kernel.
 
 Decode configs store the new K/V inside the attention kernel (``VATTN_TRITON_FUSED_KV_STORE=0``
-turns that off). On CUDA the first layer of a step records its launches and the step's other
-layers repeat them (``vattn.kernels.launch.LaunchPlan``).
+turns that off). Given rotary rows (``rope``), the kernels rotate q and the new keys as they
+load them: the attention kernel q (and the keys it stores), the KV-store kernel the keys. On
+CUDA the first layer of a step records its launches and the step's other layers repeat them
+(``vattn.kernels.launch.LaunchPlan``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     (``vattn.kernels.launch.LaunchPlan``), skipping validation and Triton's argument
     handling: what an eager attention step between CUDA-graph pieces costs on the host."""
 
+    fuses_rope = True
+
     def __init__(
         self,
         num_heads: int,
@@ -141,8 +145,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         attn_metadata: TritonAttentionMetadata | None,
         output: torch.Tensor | None = None,
         output_scale: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """See ``AttentionImpl.forward``. Device work only (no host syncs): CUDA-graph safe."""
+        """See ``AttentionImpl.forward``; ``rope``: (T, D) cos / sin rows, q and key unrotated
+        (``fuses_rope``). Device work only (no host syncs): CUDA-graph safe."""
         if output is None:
             raise ValueError("TritonAttentionImpl.forward: output must be a (T, H, D) buffer (accept_output_buffer).")
         if attn_metadata is None:
@@ -169,24 +175,26 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         _, key_cache, value_cache, fixed_sig = views
         # Every layer of a step makes the same launches with its own tensors: the first one
         # records them (validated, specialized) and the others repeat them (LaunchPlan).
+        cos, sin = rope if rope is not None else (None, None)
         roles = (query, key, value, output, key_cache, value_cache, k_scale, v_scale, q_scale, output_scale, alibi,
-                 self.sinks)
-        sig = self._plan_signature(query, key, value, output, output_scale, fixed_sig)
+                 self.sinks, cos, sin)
+        sig = self._plan_signature(query, key, value, output, output_scale, fixed_sig, rope)
         plan = md.launch_plans.get(sig, _NO_PLAN) if sig is not None else None
         if plan is _NO_PLAN:  # this step's first layer of this signature: record
             from vattn.kernels.launch import LaunchPlan, record_launches
 
             with record_launches() as launches:
-                self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
+                self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale, rope)
             md.launch_plans[sig] = LaunchPlan.build(launches, roles, (
                 md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping, md.partial_out, md.partial_lse,
                 md.tree))
         elif plan is None or not plan.run(roles):  # no plan (or FastLaunch switched off since)
-            self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale)
+            self._launch(layer, query, key, value, key_cache, value_cache, md, output, output_scale, rope)
         return output
 
     def _plan_signature(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, o: torch.Tensor,
-                        output_scale: torch.Tensor | None, fixed_sig: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+                        output_scale: torch.Tensor | None, fixed_sig: tuple[Any, ...] | None,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[Any, ...] | None:
         """What makes two calls of one step launch the same way, besides their tensors: the
         impl's settings, the tensors' shapes, strides and dtypes (all 16-byte aligned), and
         ``fixed_sig`` (``_fixed_signature`` of the layer's cache and scales, with their device).
@@ -195,7 +203,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if fixed_sig is None or not (q.is_cuda and o.is_cuda):
             return None
         ptrs = q.data_ptr() | o.data_ptr()
-        for t in (k, v, output_scale):
+        for t in (k, v, output_scale, *(rope or ())):
             if t is not None:
                 if not t.is_cuda:
                     return None
@@ -204,11 +212,14 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return None
         return (self._static_signature, fixed_sig, q.shape, q.stride(), q.dtype, o.shape, o.stride(), o.dtype,
                 None if k is None else (k.shape, k.stride(), k.dtype), None if v is None else (v.shape, v.stride(), v.dtype),
-                None if output_scale is None else output_scale.dtype)
+                None if output_scale is None else output_scale.dtype,
+                None if rope is None else (rope[0].shape, rope[0].stride(), rope[0].dtype, rope[1].stride(),
+                                           rope[1].dtype))
 
     def _launch(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, md: TritonAttentionMetadata,
-                output: torch.Tensor, output_scale: torch.Tensor | None) -> None:
+                output: torch.Tensor, output_scale: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store the new K/V, then attend (the validated, general path)."""
         paged_attention = _launcher()
         config = md.config
@@ -218,7 +229,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
                 and envs.VATTN_TRITON_FUSED_KV_STORE)
         if store and not fuse:
             store_kv(key, value, key_cache, value_cache, md.slot_mapping,
-                     self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+                     self.kv_cache_dtype, layer._k_scale, layer._v_scale, rope)
         splits = config.num_splits
         if splits > 1 and md.partial_out is not None:
             # Static shape arithmetic: fewer splits when the scratch cannot hold these rows (more
@@ -247,4 +258,5 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             config=config, partial_out=md.partial_out, partial_lse=md.partial_lse,
             key=key if fuse else None, value=value if fuse else None,
             slot_mapping=md.slot_mapping if fuse else None, tree=md.tree,
+            rope_cos=None if rope is None else rope[0], rope_sin=None if rope is None else rope[1],
         )

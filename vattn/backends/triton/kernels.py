@@ -33,6 +33,9 @@ One kernel serves a whole mixed batch (decodes and chunked prefills with cached 
   the kernel before it finishes, then waits for it (``gdc_wait``) before reading q or the new K/V.
 * draft trees (``TREE``): a byte row per query token says which of its request's new tokens
   it sees (its ancestors and itself); the step's keys then lie in masked tiles only.
+* rotary embedding (``ROPE``): q and the step's new keys arrive unrotated and are rotated by
+  each token's cos / sin rows as they are loaded (``vattn.kernels.rotary``): the model runs no
+  RoPE kernel of its own (``vattn.compile_passes.rope_fusion``).
 * split-KV (``SPLIT_KV``): each of the grid's ``num_programs(2)`` splits handles a slice of
   the block's KV tiles and writes a normalized partial output plus its log2-sum-exp;
   ``_combine_splits_kernel`` merges them. The split count is a run-time value, so one
@@ -48,6 +51,7 @@ import triton.language as tl
 from vattn.kernels.fp8 import round_to_fp8_grid, to_cache_dtype
 from vattn.kernels.reduce import MAX as _MAX
 from vattn.kernels.reduce import SUM as _SUM
+from vattn.kernels.rotary import rotate_half_load
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -89,6 +93,7 @@ def _attend_tiles(
     FROM_INPUT: tl.constexpr = False, CACHE_TY: tl.constexpr = None, KV_FP8: tl.constexpr = False,
     KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
     TREE: tl.constexpr = False, tree_ptr=None, tree_rows=None, tree_ctx=0, blk_first=None,
+    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_rope=0,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
@@ -107,7 +112,10 @@ def _attend_tiles(
     padding rows).
 
     ``blk_first``: the (TILE_N,) block-table entries of tile ``j_lo``, loaded by the caller
-    (before it waits for the kernel before it); None: loaded here."""
+    (before it waits for the kernel before it); None: loaded here.
+
+    ``ROPE`` (needs ``FROM_INPUT``): the key rows are unrotated; row ``r`` is rotated by the
+    ``cos_ptr`` / ``sin_ptr`` rows ``r`` (token stride ``stride_rope``) as it is loaded."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     offs_t = tl.arange(0, TILE_N)
@@ -149,7 +157,15 @@ def _attend_tiles(
                 v_off = k_off
             else:
                 v_off = (blk * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :] * stride_vd
-        if HEAD_PAD != HEAD_SIZE or MASK:
+        if FROM_INPUT and ROPE:
+            first_half = offs_d < HEAD_SIZE // 2
+            partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
+            cs = (rows * stride_rope)[:, None]
+            k_partner = (rows * stride_ks)[:, None] + partner[None, :] * stride_kd
+            k = rotate_half_load(k_head_ptr + k_off, k_head_ptr + k_partner,
+                                 cos_ptr + cs + offs_d[None, :], sin_ptr + cs + offs_d[None, :], first_half[None, :],
+                                 kv_mask, k_head_ptr.dtype.element_ty)
+        elif HEAD_PAD != HEAD_SIZE or MASK:
             k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_head_ptr + k_off)
@@ -223,8 +239,8 @@ def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seqused_k_ptr, block_table_ptr,
     sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr,
-    key_ptr, value_ptr, slot_ptr, tree_ptr,
-    num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right, stride_tree,
+    key_ptr, value_ptr, slot_ptr, tree_ptr, cos_ptr, sin_ptr,
+    num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right, stride_tree, stride_rope,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -241,7 +257,7 @@ def _unified_attention_kernel(
     FP8_ROUND_FIX: tl.constexpr, V_CVT: tl.constexpr, KV_SAME: tl.constexpr,
     ONE_LOOP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     FUSE_STORE: tl.constexpr = False, KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
-    PDL_WAIT: tl.constexpr = False, TREE: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, TREE: tl.constexpr = False, ROPE: tl.constexpr = False,
 ):
     """``FUSE_STORE``: also write ``key``/``value`` (T, Hk, D) rows into the cache at
     ``slot_ptr`` (< 0 skipped); queries then read their context from the cache and the
@@ -249,7 +265,9 @@ def _unified_attention_kernel(
     launch; wait for the kernel before reading q or the new K/V. ``TREE``: draft trees;
     ``tree_ptr`` is a (T, stride_tree) byte matrix whose row ``t`` marks the new tokens of its
     request that token ``t`` sees (its ancestors and itself); cached keys stay visible to all,
-    and the step's keys lie in masked tiles."""
+    and the step's keys lie in masked tiles. ``ROPE``: q (and with ``FUSE_STORE`` the new keys)
+    arrive unrotated; token ``t``'s rows are rotated by rows ``t`` of ``cos_ptr`` / ``sin_ptr``
+    ((T, D), token stride ``stride_rope``) as they are loaded (``vattn.kernels.rotary``)."""
     if LAUNCH_DEPENDENTS:  # a PDL-launched next kernel may start (it waits for our output itself)
         tl.extra.cuda.gdc_launch_dependents()
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
@@ -292,6 +310,8 @@ def _unified_attention_kernel(
     head = kv_head * QPK + offs_m % QPK
     row_ok = (offs_m < BLOCK_Q * QPK) & (tok < q_len)
     d_ok = offs_d < HEAD_SIZE
+    first_half = offs_d < HEAD_SIZE // 2  # RoPE: element d pairs with d + D/2 (first half) or d - D/2
+    partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
     q_pos = ctx_len + tok
     tok_g = q_start + tok  # token row in q / out
 
@@ -355,8 +375,15 @@ def _unified_attention_kernel(
 
     if FUSE_STORE:
         st_ok = (slots >= 0)[:, None] & d_ok[None, :]
-        k_rows = tl.load(key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
-                         + offs_d[None, :] * stride_nkd, mask=st_ok, other=0.0)
+        k_row_ptrs = key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
+        if ROPE:
+            cs = rows[:, None] * stride_rope
+            k_rows = rotate_half_load(k_row_ptrs + offs_d[None, :] * stride_nkd,
+                                      k_row_ptrs + partner[None, :] * stride_nkd, cos_ptr + cs + offs_d[None, :],
+                                      sin_ptr + cs + offs_d[None, :], first_half[None, :], st_ok,
+                                      key_ptr.dtype.element_ty)
+        else:
+            k_rows = tl.load(k_row_ptrs + offs_d[None, :] * stride_nkd, mask=st_ok, other=0.0)
         v_rows = tl.load(value_ptr + rows[:, None] * stride_nvt + kv_head * stride_nvh
                          + offs_d[None, :] * stride_nvd, mask=st_ok, other=0.0)
         blk_s = slots // PAGE_SIZE
@@ -370,8 +397,14 @@ def _unified_attention_kernel(
                  to_cache_dtype(v_rows, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX),
                  mask=st_ok)
         own_ok = tl.where(own, d_ok, False)
-        k_own = tl.load(key_ptr + own_row * stride_nkt + kv_head * stride_nkh + offs_d * stride_nkd,
-                        mask=own_ok, other=0.0)
+        k_own_ptr = key_ptr + own_row * stride_nkt + kv_head * stride_nkh
+        if ROPE:
+            cs_own = own_row * stride_rope
+            k_own = rotate_half_load(k_own_ptr + offs_d * stride_nkd, k_own_ptr + partner * stride_nkd,
+                                     cos_ptr + cs_own + offs_d, sin_ptr + cs_own + offs_d, first_half, own_ok,
+                                     key_ptr.dtype.element_ty)
+        else:
+            k_own = tl.load(k_own_ptr + offs_d * stride_nkd, mask=own_ok, other=0.0)
         v_own = tl.load(value_ptr + own_row * stride_nvt + kv_head * stride_nvh + offs_d * stride_nvd,
                         mask=own_ok, other=0.0)
         k_own = to_cache_dtype(k_own, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
@@ -379,7 +412,14 @@ def _unified_attention_kernel(
 
     q_ptrs = (q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
               + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:
+        q_rows = q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+        cs_q = tok_g.to(tl.int64)[:, None] * stride_rope
+        q = rotate_half_load(q_ptrs, q_rows + partner[None, :] * stride_qd, cos_ptr + cs_q + offs_d[None, :],
+                             sin_ptr + cs_q + offs_d[None, :], first_half[None, :], row_ok[:, None] & d_ok[None, :],
+                             q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     else:
@@ -460,7 +500,8 @@ def _unified_attention_kernel(
             0, stride_nkt, stride_nkd, 0, stride_nvt, stride_nvd, kv_end, q_start - kv_end, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, False,
-            True, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
+            True, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX,
+            ROPE=ROPE, cos_ptr=cos_ptr, sin_ptr=sin_ptr, stride_rope=stride_rope)
         s_own = tl.reduce(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1, _SUM)
         if USE_SOFTCAP:
             s_own = softcap_out * (1.0 - 2.0 / (tl.exp2(s_own * softcap_in) + 1.0))

@@ -135,6 +135,8 @@ def paged_attention(
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     tree: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> None:
     """Paged attention over a mixed batch, written into ``out`` (no host synchronization).
 
@@ -150,6 +152,7 @@ def paged_attention(
     | key, value | (T, Hk, D), optional: the step's new K/V, stored by the kernel | fp16 / bf16 / fp32 |
     | slot_mapping | (T,) cache slot of each new token, < 0 = skip; with key / value | int64 (or int32) |
     | tree | (T, W), optional: draft trees, ``tree[t, j]`` token t sees its request's new token j | bool / uint8 / int8 |
+    | rope_cos, rope_sin | (T, D), optional: each token's rotary rows; q and key are then unrotated | any float |
 
     ``key``/``value``/``slot_mapping`` (all or none) fuse the KV-cache store into the kernel:
     it writes what ``vattn.ops.kv_store.store_kv`` would (fp8 quantization included), and
@@ -169,6 +172,10 @@ def paged_attention(
     a request's new keys are visible only where the query token's row says so (its ancestors
     and itself; ``W`` at least the longest query), its cached keys to all its tokens.
     Rows of tokens past ``cu_seqlens_q[B]`` (padding) are left untouched.
+
+    ``rope_cos``/``rope_sin`` (both or neither) fuse rotary embedding (rotate-half form,
+    ``vattn.ops.rotary.apply_rotary``): q, and with the fused store ``key``, are rotated as the
+    kernel loads them. Keys already in the cache must be rotated (``store_kv(..., rope=...)``).
 
     ``max_seqlen_q`` only picks the config; ``max_seqlen_k`` is accepted for FlashAttention
     parity. ``config``/``num_splits`` override the choice; with ``num_splits > 1`` the fp32
@@ -202,6 +209,16 @@ def paged_attention(
         if t.dtype != torch.int32:
             raise ValueError(
                 f"{name} must be int32, got {t.dtype}.")
+    if rope_cos is not None or rope_sin is not None:
+        from vattn.ops.rotary import check_rope
+
+        check_rope(rope_cos, rope_sin, q, head_size, "paged_attention")
+        if q.dtype in FP8_DTYPES:
+            raise ValueError("paged_attention: rope_cos / rope_sin rotate the query as it is loaded, which an fp8 "
+                             "query cannot be; rotate before quantizing and pass no rotary rows.")
+        assert rope_cos is not None and rope_sin is not None
+        if rope_cos.stride(1) != 1 or rope_sin.stride() != rope_cos.stride():
+            rope_cos, rope_sin = rope_cos.contiguous(), rope_sin.contiguous()
     if num_tokens == 0 or num_seqs == 0:
         return
     qpk = num_q_heads // num_kv_heads
@@ -318,8 +335,9 @@ def paged_attention(
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
         qs, ks, vs, os_, new_k, new_v, slots, tree if tree is not None else dummy,
+        rope_cos if rope_cos is not None else dummy, rope_sin if rope_sin is not None else dummy,
         num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
-        tree.stride(0) if tree is not None else 0,
+        tree.stride(0) if tree is not None else 0, rope_cos.stride(0) if rope_cos is not None else 0,
         *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0), *new_strides,
         NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, SPLIT_KV=splits > 1,
@@ -332,7 +350,8 @@ def paged_attention(
         ONE_LOOP=config.one_loop, LAUNCH_DEPENDENTS=pdl, FUSE_STORE=fuse,
         KV_FP8_MAX=float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0,
         KV_ROUND_FIX=fp8_round_fix(k_cache.dtype, k_cache.device),
-        PDL_WAIT=pdl and ATTENTION_PDL, TREE=tree is not None, launch_pdl=pdl and ATTENTION_PDL, **launch,
+        PDL_WAIT=pdl and ATTENTION_PDL, TREE=tree is not None, ROPE=rope_cos is not None,
+        launch_pdl=pdl and ATTENTION_PDL, **launch,
     )
     if splits > 1:
         _COMBINE_SPLITS[(num_tokens, num_q_heads)](
