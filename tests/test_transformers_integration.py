@@ -115,11 +115,6 @@ def test_matches_transformers_generate(family: str) -> None:
     assert_matches_reference(family, engine, reqs)
 
 
-#: Families whose RoPE is transformers' rotate-half over the whole head (Phi-3 splits off a
-#: pass-through part, gpt-oss rotates chunks in its own function): ``fuse_rope`` rewrites them.
-ROTATE_HALF = ("gemma2", "gemma3", "llama", "mistral", "olmo2", "qwen2", "qwen3")
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
     """``vattn.compile`` (Inductor): one graph for every batch composition and token count, 1 included.
@@ -147,8 +142,7 @@ def test_compiled_matches_transformers_no_recompiles(family: str) -> None:
     assert_matches_reference(family, engine, reqs)
     # wrap packed the bias-free q/k/v and gate/up weights; compiled, each packed group is one GEMM
     assert (compiled.backend.counter.num_packed_linear_groups > 0) == (packed_groups(model.hf_model) > 0)
-    layers = len(model.attention_layers())
-    assert compiled.backend.counter.num_rope_fusions == (layers if family in ROTATE_HALF else 0)
+    assert compiled.backend.counter.num_rope_fusions == len(model.attention_layers())  # every family's RoPE form
 
 
 @pytest.mark.parametrize("fuse_rope", [None, False])
@@ -441,7 +435,8 @@ from vattn.integrations import transformers as vt
 from examples.engine import Engine, SamplingParams
 from examples.hf_model import tiny_config, random_model
 transformers.logging.set_verbosity_error()
-for family, compiled in (("gemma2", False), ("gemma3", False), ("gpt_oss", False), ("gemma3", True)):
+runs = (("gemma2", False), ("gemma3", False), ("gpt_oss", False), ("gemma3", True), ("gpt_oss", True))
+for family, compiled in runs:
     hf = random_model(tiny_config(family), seed=1)
     ref = copy.deepcopy(hf)
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16))

@@ -14,14 +14,20 @@ cos and one sin for both) and calls the op with the unrotated q / k instead, plu
 
     attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v, ..., rope_cos=cos.reshape(-1, D), rope_sin=...)
 
+Two other spellings of the same rotation are found too: Phi-3's ``cat([rotation of
+x[..., :D], x[..., D:]], -1)`` with nothing passed through (the rotary dim is the whole head),
+and gpt-oss's ``a, b = chunk(x, 2, -1); cat((a * cos - b * sin, b * cos + a * sin), -1)`` with
+half-width cos / sin, whose (T, D) rows ``cat((cos, cos), -1)`` are built once, where the
+model computes cos / sin, and shared by every layer.
+
 The layer's backend then rotates q and the new keys as its kernels load them (TRITON_ATTN:
 ``AttentionImpl.fuses_rope``); other backends get them rotated by the op first
 (``vattn.ops.rotary.apply_rotary``, the same fp32 arithmetic Inductor compiles). The rotation
 nodes left without users are erased.
 
 ``CompilationConfig.fuse_rope``: None (default) rewrites the layers whose backend rotates in
-its kernels, True every layer, False none. Anything else about the pattern (partial rotary
-dims, interleaved pairs, another layout of cos) is left alone.
+its kernels, True every layer, False none. Anything else (partial rotary dims, interleaved
+pairs, another layout of cos) is left alone.
 """
 
 from __future__ import annotations
@@ -152,12 +158,12 @@ def _rotation(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] |
     return None
 
 
-def _token_rows(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether ``cos`` holds one (D,) row per token of ``x``: the last dim is D, the token dim
-    (``x``'s one symbolic size) has ``x``'s size, every other dim is 1. Sizes are compared as
+def _token_rows(x: torch.Tensor, cos: torch.Tensor, width: int) -> bool:
+    """Whether ``cos`` holds one row of ``width`` per token of ``x``: the token dim (``x``'s one
+    symbolic size) has ``x``'s size, every other dim but the last is 1. Sizes are compared as
     expressions (no guard is added)."""
     tok = [i for i, s in enumerate(x.shape) if isinstance(s, torch.SymInt)]
-    if len(tok) != 1 or cos.dim() != x.dim() or cos.shape[-1] != x.shape[-1]:
+    if len(tok) != 1 or cos.dim() != x.dim() or cos.shape[-1] != width:
         return False
     (t,) = tok
     for i, s in enumerate(cos.shape[:-1]):
@@ -169,22 +175,74 @@ def _token_rows(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return True
 
 
-def _match(arg: Any, head_size: int) -> tuple[fx.Node, list[fx.Node], fx.Node, fx.Node, list[fx.Node]] | None:
-    """(unrotated x, the view chain to replay on it, cos, sin, rotation nodes) for an op argument."""
+def _pass_through(cat: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
+    """Phi-3's form with nothing passed through, ``cat([rotate_half_form(x[..., :D]), x[..., D:]], -1)``
+    (the rotary dim is the whole head): (x, cos, sin, the rotation's nodes), as ``_rotation``."""
+    parts = cat.args[0] if cat.op == "call_function" and cat.target is torch.cat else None
+    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) if parts is not None else None
+    if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and dim == -1):
+        return None
+    rot = _rotation(parts[0]) if isinstance(parts[0], fx.Node) else None
+    x_rot, rest = (rot[0], parts[1]) if rot is not None else (None, None)
+    if not (isinstance(x_rot, fx.Node) and isinstance(rest, fx.Node) and x_rot.target is operator.getitem
+            and rest.target is operator.getitem and rest.args[0] is x_rot.args[0]):
+        return None
+    ex, er = _example(x_rot.args[0]), _example(rest)
+    d = ex.shape[-1] if ex is not None else None
+    if er is None or er.shape[-1] != 0 or x_rot.args[1] != (Ellipsis, slice(None, d, None)):
+        return None
+    return x_rot.args[0], rot[1], rot[2], [cat, *rot[3], x_rot, rest]
+
+
+def _halves(cat: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
+    """gpt-oss's form ``a, b = chunk(x, 2, -1); cat((a * cos - b * sin, b * cos + a * sin), -1)``
+    with (..., D/2) cos / sin: rotate-half by ``cat((cos, cos), -1)``. (x, cos, sin, nodes)."""
+    parts = cat.args[0] if cat.op == "call_function" and cat.target is torch.cat else None
+    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) if parts is not None else None
+    if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and dim == -1):
+        return None
+    first, second = parts
+    muls = (*first.args, *second.args) if isinstance(first, fx.Node) and isinstance(second, fx.Node) else ()
+    if not (_call(first, (operator.sub, torch.sub)) and _call(second, _ADD) and len(first.args) == 2
+            and len(second.args) == 2 and all(_call(m, _MUL) and len(m.args) == 2 for m in muls)):
+        return None
+    (a, cos), (b, sin) = first.args[0].args, first.args[1].args
+    halves = [a, b]
+    if not (isinstance(a, fx.Node) and a.target is operator.getitem and isinstance(b, fx.Node)
+            and b.target is operator.getitem and a.args[0] is b.args[0] and (a.args[1], b.args[1]) == (0, 1)):
+        return None
+    chunk = a.args[0]
+    is_chunk = (chunk.op == "call_function" and chunk.target is torch.chunk) or (
+        chunk.op == "call_method" and chunk.target == "chunk")
+    chunk_dim = chunk.args[2] if len(chunk.args) > 2 else chunk.kwargs.get("dim", 0)
+    if not (is_chunk and chunk.args[1] == 2 and chunk_dim == -1 and len(chunk.users) == 2):
+        return None
+    wanted = {(b, cos), (a, sin)}
+    if {tuple(m.args) for m in second.args} != wanted and {tuple(m.args[::-1]) for m in second.args} != wanted:
+        return None
+    return chunk.args[0], cos, sin, [cat, first, second, *first.args, *second.args, *halves, chunk]
+
+
+def _match(arg: Any, head_size: int) -> tuple[fx.Node, list[fx.Node], fx.Node, fx.Node, list[fx.Node], bool] | None:
+    """(unrotated x, the view chain to replay on it, cos, sin, rotation nodes, whether cos / sin
+    hold half rows) for an op argument, in any of the three forms above."""
     found = _view_chain(arg)
     if found is None:
         return None
-    add, chain = found
-    rot = _rotation(add)
+    end, chain = found
+    rot = _rotation(end) or _pass_through(end)
+    half = rot is None
+    rot = rot or _halves(end)
     if rot is None:
         return None
     x, cos, sin, nodes = rot
     ex, ec, es = _example(x), _example(cos), _example(sin)
     if ex is None or ec is None or es is None or ex.shape[-1] != head_size:
         return None
-    if not (_token_rows(ex, ec) and _token_rows(ex, es)):
+    width = head_size // 2 if half else head_size
+    if not (_token_rows(ex, ec, width) and _token_rows(ex, es, width)):
         return None
-    return x, chain, cos, sin, nodes
+    return x, chain, cos, sin, nodes, half
 
 
 def _method(graph: fx.Graph, src: fx.Node, name: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -227,6 +285,25 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
             pending.remove(n)
 
 
+def _full_rows(graph: fx.Graph, half: fx.Node, head_size: int, memo: dict[fx.Node, fx.Node]) -> fx.Node:
+    """(T, D) rows ``cat((c, c), -1)`` of half rows ``half`` ((..., D/2), an unsqueeze of the
+    model's rows or those rows): built once per source, right after it, so every layer's
+    attention shares one tensor (no kernel a layer)."""
+    src = half.args[0] if half.op == "call_method" and half.target == "unsqueeze" else half
+    if src not in memo:
+        with graph.inserting_after(src):
+            cat = graph.call_function(torch.cat, ((src, src), -1))
+            ex = _example(src)
+            if ex is not None:
+                try:
+                    cat.meta["example_value"] = torch.cat((ex, ex), -1)
+                except Exception:  # best effort, as in _method
+                    pass
+        with graph.inserting_after(cat):
+            memo[src] = _method(graph, cat, "reshape", (-1, head_size), {})
+    return memo[src]
+
+
 def fuse_rope(gm: fx.GraphModule, layers: dict[str, Any], mode: bool | None = None) -> int:
     """Hand the RoPE of q and k to each vattn attention op of ``gm`` that takes it (see the module
     docstring); ``layers``: layer name -> ``vattn.Attention`` (the config's ``static_forward_context``).
@@ -235,6 +312,7 @@ def fuse_rope(gm: fx.GraphModule, layers: dict[str, Any], mode: bool | None = No
         return 0
     graph = gm.graph
     count = 0
+    full_rows: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or _op_name(node.target) not in _ATTENTION_OPS:
             continue
@@ -248,15 +326,19 @@ def fuse_rope(gm: fx.GraphModule, layers: dict[str, Any], mode: bool | None = No
             continue
         q = _match(_arg(node, "query"), layer.head_size)
         k = _match(_arg(node, "key"), layer.head_size)
-        if q is None or k is None or q[2] is not k[2] or q[3] is not k[3]:
+        if q is None or k is None or q[2] is not k[2] or q[3] is not k[3] or q[5] != k[5]:
             continue
-        (qx, q_chain, cos, sin, q_nodes), (kx, k_chain, _, _, k_nodes) = q, k
+        (qx, q_chain, cos, sin, q_nodes, half), (kx, k_chain, _, _, k_nodes, _) = q, k
         head_size = layer.head_size
         with graph.inserting_before(node):
             new_q = _replay(graph, q_chain, qx)
             new_k = _replay(graph, k_chain, kx)
-            rows_cos = _method(graph, cos, "reshape", (-1, head_size), {})
-            rows_sin = _method(graph, sin, "reshape", (-1, head_size), {})
+        if half:
+            rows_cos, rows_sin = (_full_rows(graph, t, head_size, full_rows) for t in (cos, sin))
+        else:
+            with graph.inserting_before(node):
+                rows_cos = _method(graph, cos, "reshape", (-1, head_size), {})
+                rows_sin = _method(graph, sin, "reshape", (-1, head_size), {})
         old = (_arg(node, "query"), _arg(node, "key"))
         node.args = tuple(new_q if a is old[0] else new_k if a is old[1] else a for a in node.args)
         node.kwargs = {**{k_: (new_q if v is old[0] else new_k if v is old[1] else v) for k_, v in node.kwargs.items()},
