@@ -60,7 +60,7 @@ except ImportError:  # torch without precompile: cache_dir is ignored (aot_suppo
 _loaded: contextvars.ContextVar["list[SerializableSplitModule] | None"] = contextvars.ContextVar(
     "vattn_loaded_split_modules", default=None)
 
-_FORMAT = 1  # bump when what a file holds changes
+_FORMAT = 2  # bump when what a file holds changes (2: traces carry the RoPE rewrite, rope_fusion.py)
 
 
 def aot_supported() -> str | None:

@@ -48,12 +48,12 @@ import torch
 import torch.fx as fx
 
 from vattn.compile_passes import packed_linears
-from vattn.compile_passes.rope_fusion import fuse_rope
 from vattn.compile_passes.aot_cache import SerializableSplitModule
 from vattn.compile_passes.inductor import compile_with_inductor, shape_guards_suppressed
 from vattn.compile_passes.pass_manager import PostGradPassManager
 from vattn.compile_passes.pieces import PieceCompiler, fake_inputs, piece_key, token_count_locator
 from vattn.compile_passes.piecewise import CUDAGraphPiece, StaticSizes
+from vattn.compile_passes.rope_fusion import fuse_rope
 from vattn.compile_passes.split import SplitItem, direct_op_call, split_graph
 from vattn.config import VattnConfig
 

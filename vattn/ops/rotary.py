@@ -44,7 +44,6 @@ def check_rope(cos: torch.Tensor | None, sin: torch.Tensor | None, query: torch.
                 "pass the cos / sin of each token's position, as transformers' rotary embedding returns them.")
 
 
-
 def rope_args(layer: Any, query: torch.Tensor, key: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
     """What ``vattn.Attention.forward(q, k, v, rope=(cos, sin))`` hands the attention op: (q, key,
