@@ -116,7 +116,8 @@ class Attention(nn.Module, AttentionLayerBase):
             FLEX_ATTENTION (selected for them); see ``vattn.backends.flex_attention.mods``.
         **extra_impl_args: passed to the backend impl, e.g. ``sinks`` (H,) float tensor.
 
-    ``forward(query (T, H*D), key (T, Hk*D), value (T, Hk*D)) -> (T, H*D)``; the step's
+    ``forward(query (T, H*D), key (T, Hk*D), value (T, Hk*D), rope=None) -> (T, H*D)``; with
+    ``rope=(cos, sin)``, each (T, D), q and key are unrotated; the step's
     metadata comes from ``vattn.set_forward_context``. The model dtype is
     ``torch.get_default_dtype()`` at construction (build the model under the dtype it runs in).
     """
