@@ -129,6 +129,15 @@ def _half_slice(n: Any, x: fx.Node, half: int) -> str | None:
     return None
 
 
+def _cat2(n: Any) -> tuple[Any, Any, Any] | None:
+    """(a, b, dim) where ``n`` is ``torch.cat((a, b), dim)``, else None."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.cat):
+        return None
+    parts = n.args[0]
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+    return (parts[0], parts[1], dim) if isinstance(parts, (tuple, list)) and len(parts) == 2 else None
+
+
 def _rotation(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
     """(x, cos, sin, the rotation's nodes) where ``add`` is ``x * cos + cat(-x2, x1, dim=-1) * sin``."""
     if not _call(add, _ADD) or len(add.args) != 2 or add.kwargs:
@@ -137,13 +146,10 @@ def _rotation(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] |
         if not (_call(plain, _MUL) and _call(rotated, _MUL) and len(plain.args) == 2 and len(rotated.args) == 2):
             continue
         for cat, sin in (rotated.args, rotated.args[::-1]):
-            if not (isinstance(cat, fx.Node) and cat.op == "call_function" and cat.target is torch.cat):
+            found = _cat2(cat)
+            if found is None or not _call(found[0], _NEG):
                 continue
-            parts = cat.args[0]
-            dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-            if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and _call(parts[0], _NEG)):
-                continue
-            neg, lo = parts
+            neg, lo, dim = found
             hi = neg.args[0]
             x = hi.args[0] if isinstance(hi, fx.Node) and hi.args else None
             ex = _example(x)
@@ -178,14 +184,16 @@ def _token_rows(x: torch.Tensor, cos: torch.Tensor, width: int) -> bool:
 def _pass_through(cat: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
     """Phi-3's form with nothing passed through, ``cat([rotate_half_form(x[..., :D]), x[..., D:]], -1)``
     (the rotary dim is the whole head): (x, cos, sin, the rotation's nodes), as ``_rotation``."""
-    parts = cat.args[0] if cat.op == "call_function" and cat.target is torch.cat else None
-    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) if parts is not None else None
-    if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and dim == -1):
+    found = _cat2(cat)
+    if found is None or found[2] != -1 or not isinstance(found[0], fx.Node):
         return None
-    rot = _rotation(parts[0]) if isinstance(parts[0], fx.Node) else None
-    x_rot, rest = (rot[0], parts[1]) if rot is not None else (None, None)
-    if not (isinstance(x_rot, fx.Node) and isinstance(rest, fx.Node) and x_rot.target is operator.getitem
-            and rest.target is operator.getitem and rest.args[0] is x_rot.args[0]):
+    rotated, rest, _ = found
+    rot = _rotation(rotated)
+    if rot is None:
+        return None
+    x_rot = rot[0]
+    if not (x_rot.target is operator.getitem and isinstance(rest, fx.Node) and rest.target is operator.getitem
+            and rest.args[0] is x_rot.args[0]):
         return None
     ex, er = _example(x_rot.args[0]), _example(rest)
     d = ex.shape[-1] if ex is not None else None
@@ -197,11 +205,10 @@ def _pass_through(cat: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node
 def _halves(cat: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
     """gpt-oss's form ``a, b = chunk(x, 2, -1); cat((a * cos - b * sin, b * cos + a * sin), -1)``
     with (..., D/2) cos / sin: rotate-half by ``cat((cos, cos), -1)``. (x, cos, sin, nodes)."""
-    parts = cat.args[0] if cat.op == "call_function" and cat.target is torch.cat else None
-    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) if parts is not None else None
-    if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and dim == -1):
+    found = _cat2(cat)
+    if found is None or found[2] != -1:
         return None
-    first, second = parts
+    first, second, _ = found
     muls = (*first.args, *second.args) if isinstance(first, fx.Node) and isinstance(second, fx.Node) else ()
     if not (_call(first, (operator.sub, torch.sub)) and _call(second, _ADD) and len(first.args) == 2
             and len(second.args) == 2 and all(_call(m, _MUL) and len(m.args) == 2 for m in muls)):

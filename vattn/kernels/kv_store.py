@@ -48,11 +48,8 @@ def _store_kv_kernel(
 
     k_rows = key_ptr + t * stride_kt + offs_h[:, None] * stride_kh
     if ROPE:
-        first_half = offs_d < HEAD_SIZE // 2
-        partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
-        cs = t * stride_rope + offs_d[None, :]
-        k = rotate_half_load(k_rows + offs_d[None, :] * stride_kd, k_rows + partner[None, :] * stride_kd,
-                             cos_ptr + cs, sin_ptr + cs, first_half[None, :], mask, key_ptr.dtype.element_ty)
+        k = rotate_half_load(k_rows, stride_kd, offs_d[None, :], cos_ptr + t * stride_rope, sin_ptr + t * stride_rope,
+                             mask, HEAD_SIZE, key_ptr.dtype.element_ty)
     else:
         k = tl.load(k_rows + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,

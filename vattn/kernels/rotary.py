@@ -15,14 +15,18 @@ __all__ = ["rotate_half_load"]
 
 
 @triton.jit
-def rotate_half_load(x_ptrs, partner_ptrs, cos_ptrs, sin_ptrs, first_half, mask, OUT_TY: tl.constexpr):
-    """Load ``x`` and return it rotated, in ``OUT_TY`` (the dtype of ``x``).
+def rotate_half_load(row_ptrs, stride_d, offs_d, cos_rows, sin_rows, mask, HEAD_SIZE: tl.constexpr,
+                     OUT_TY: tl.constexpr):
+    """Load rows of ``x`` and return them rotated, in ``OUT_TY`` (the dtype of ``x``).
 
-    ``partner_ptrs`` point at ``x[d + D/2]`` where ``first_half`` (d < D/2) and at
-    ``x[d - D/2]`` elsewhere; ``cos_ptrs`` / ``sin_ptrs`` at the rows' ``cos[d]`` / ``sin[d]``.
-    Every pointer tensor has ``x_ptrs``' shape; masked elements are 0."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptrs, mask=mask, other=0.0).to(tl.float32)
+    ``row_ptrs``: where each row starts (element ``d`` at ``+ d * stride_d``); ``cos_rows`` /
+    ``sin_rows``: where each row's contiguous (D,) cos / sin start; ``offs_d``: the head-dim
+    offsets, shaped to broadcast against the rows (``offs_d[None, :]`` for a tile of rows, as
+    is for one row). Masked elements are 0."""
+    first_half = offs_d < HEAD_SIZE // 2  # element d pairs with d + D/2 (first half) or d - D/2
+    partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
+    x = tl.load(row_ptrs + offs_d * stride_d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs + partner * stride_d, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_rows + offs_d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_rows + offs_d, mask=mask, other=0.0).to(tl.float32)
     return (x * c + tl.where(first_half, -xp, xp) * s).to(OUT_TY)

@@ -158,13 +158,9 @@ def _attend_tiles(
             else:
                 v_off = (blk * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :] * stride_vd
         if FROM_INPUT and ROPE:
-            first_half = offs_d < HEAD_SIZE // 2
-            partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
             cs = (rows * stride_rope)[:, None]
-            k_partner = (rows * stride_ks)[:, None] + partner[None, :] * stride_kd
-            k = rotate_half_load(k_head_ptr + k_off, k_head_ptr + k_partner,
-                                 cos_ptr + cs + offs_d[None, :], sin_ptr + cs + offs_d[None, :], first_half[None, :],
-                                 kv_mask, k_head_ptr.dtype.element_ty)
+            k = rotate_half_load(k_head_ptr + (rows * stride_ks)[:, None], stride_kd, offs_d[None, :], cos_ptr + cs,
+                                 sin_ptr + cs, kv_mask, HEAD_SIZE, k_head_ptr.dtype.element_ty)
         elif HEAD_PAD != HEAD_SIZE or MASK:
             k = tl.load(k_head_ptr + k_off, mask=kv_mask, other=0.0)
         else:
@@ -310,8 +306,6 @@ def _unified_attention_kernel(
     head = kv_head * QPK + offs_m % QPK
     row_ok = (offs_m < BLOCK_Q * QPK) & (tok < q_len)
     d_ok = offs_d < HEAD_SIZE
-    first_half = offs_d < HEAD_SIZE // 2  # RoPE: element d pairs with d + D/2 (first half) or d - D/2
-    partner = tl.where(first_half, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
     q_pos = ctx_len + tok
     tok_g = q_start + tok  # token row in q / out
 
@@ -378,10 +372,8 @@ def _unified_attention_kernel(
         k_row_ptrs = key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
         if ROPE:
             cs = rows[:, None] * stride_rope
-            k_rows = rotate_half_load(k_row_ptrs + offs_d[None, :] * stride_nkd,
-                                      k_row_ptrs + partner[None, :] * stride_nkd, cos_ptr + cs + offs_d[None, :],
-                                      sin_ptr + cs + offs_d[None, :], first_half[None, :], st_ok,
-                                      key_ptr.dtype.element_ty)
+            k_rows = rotate_half_load(k_row_ptrs, stride_nkd, offs_d[None, :], cos_ptr + cs, sin_ptr + cs, st_ok,
+                                      HEAD_SIZE, key_ptr.dtype.element_ty)
         else:
             k_rows = tl.load(k_row_ptrs + offs_d[None, :] * stride_nkd, mask=st_ok, other=0.0)
         v_rows = tl.load(value_ptr + rows[:, None] * stride_nvt + kv_head * stride_nvh
@@ -400,9 +392,8 @@ def _unified_attention_kernel(
         k_own_ptr = key_ptr + own_row * stride_nkt + kv_head * stride_nkh
         if ROPE:
             cs_own = own_row * stride_rope
-            k_own = rotate_half_load(k_own_ptr + offs_d * stride_nkd, k_own_ptr + partner * stride_nkd,
-                                     cos_ptr + cs_own + offs_d, sin_ptr + cs_own + offs_d, first_half, own_ok,
-                                     key_ptr.dtype.element_ty)
+            k_own = rotate_half_load(k_own_ptr, stride_nkd, offs_d, cos_ptr + cs_own, sin_ptr + cs_own, own_ok,
+                                     HEAD_SIZE, key_ptr.dtype.element_ty)
         else:
             k_own = tl.load(k_own_ptr + offs_d * stride_nkd, mask=own_ok, other=0.0)
         v_own = tl.load(value_ptr + own_row * stride_nvt + kv_head * stride_nvh + offs_d * stride_nvd,
@@ -415,9 +406,8 @@ def _unified_attention_kernel(
     if ROPE:
         q_rows = q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
         cs_q = tok_g.to(tl.int64)[:, None] * stride_rope
-        q = rotate_half_load(q_ptrs, q_rows + partner[None, :] * stride_qd, cos_ptr + cs_q + offs_d[None, :],
-                             sin_ptr + cs_q + offs_d[None, :], first_half[None, :], row_ok[:, None] & d_ok[None, :],
-                             q_ptr.dtype.element_ty)
+        q = rotate_half_load(q_rows, stride_qd, offs_d[None, :], cos_ptr + cs_q, sin_ptr + cs_q,
+                             row_ok[:, None] & d_ok[None, :], HEAD_SIZE, q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
