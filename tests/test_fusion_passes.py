@@ -308,6 +308,34 @@ def test_query_quant_after_defunctionalize() -> None:
     torch.testing.assert_close(t.out, want, rtol=0, atol=0)
 
 
+def test_rope_rows_on_an_fp8_query_layer() -> None:
+    """A layer that quantizes its query takes ``rope=(cos, sin)`` by rotating q and k before the
+    quantization (``vattn.ops.rotary.rope_args``): output and fp8 cache equal to the same layer
+    over q / k rotated first, on a mixed batch; bad rows are refused before anything is written."""
+    from vattn.ops.rotary import apply_rotary
+
+    s = make(n=2)
+    plain, rope = (b.attn for b in s.net.blocks)
+    assert plain.query_quant is not None and rope.query_quant is not None
+    g = torch.Generator().manual_seed(3)
+    t = s.ids.shape[0]
+    q, k, v = torch.randn(t, NH * D, generator=g), torch.randn(t, NKV * D, generator=g), torch.randn(t, NKV * D, generator=g)
+    angle = torch.rand(t, D // 2, generator=g) * 30
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    with vattn.set_forward_context(s.kv.build_metadata(s.common), s.cfg), torch.no_grad():
+        want = plain(apply_rotary(q.view(t, NH, D), cos, sin), apply_rotary(k.view(t, NKV, D), cos, sin), v)
+        got = rope(q, k, v, rope=(cos, sin))
+        same_cache = torch.equal(rope.kv_cache[0].view(torch.uint8), plain.kv_cache[0].view(torch.uint8))
+        unrotated = plain(q, k, v)
+        before = rope.kv_cache[0].clone()
+        with pytest.raises(ValueError, match=r"blocks\.1\.attn: rope_sin must be \(T >= 7, head_size = 16\)"):
+            rope(q, k, v, rope=(cos, sin[:, :8]))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not torch.allclose(got, unrotated, atol=1e-2)  # the rows took effect
+    assert same_cache
+    assert torch.equal(rope.kv_cache[0].view(torch.uint8), before.view(torch.uint8))
+
+
 # ---- attention + output-quant fusion -------------------------------------------------------
 
 
