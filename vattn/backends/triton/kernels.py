@@ -401,15 +401,15 @@ def _unified_attention_kernel(
         k_own = to_cache_dtype(k_own, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
         v_own = to_cache_dtype(v_own, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8, KV_FP8_MAX, KV_ROUND_FIX)
 
-    q_ptrs = (q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-              + offs_d[None, :] * stride_qd)
+    tok_q = tok_g.to(tl.int64)[:, None]
+    q_rows = q_ptr + tok_q * stride_qt + head[:, None] * stride_qh
+    q_ok = row_ok[:, None] & d_ok[None, :]
     if ROPE:
-        q_rows = q_ptr + tok_g.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-        cs_q = tok_g.to(tl.int64)[:, None] * stride_rope
-        q = rotate_half_load(q_rows, stride_qd, offs_d[None, :], cos_ptr + cs_q, sin_ptr + cs_q,
-                             row_ok[:, None] & d_ok[None, :], HEAD_SIZE, q_ptr.dtype.element_ty)
+        cs_q = tok_q * stride_rope
+        q = rotate_half_load(q_rows, stride_qd, offs_d[None, :], cos_ptr + cs_q, sin_ptr + cs_q, q_ok, HEAD_SIZE,
+                             q_ptr.dtype.element_ty)
     else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=q_ok, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     else:
