@@ -165,9 +165,9 @@ def capture(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
     if device.type != "cuda":
         return fn
     _sync(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from vattn.compile_passes.piecewise import capture_graph
+
+    graph, _ = capture_graph(fn)  # its own pool and cuBLAS workspace (see capture_graph)
     _sync(device)
     return graph.replay
 

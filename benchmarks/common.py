@@ -346,9 +346,9 @@ def bench_cuda_graph(
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from vattn.compile_passes.piecewise import capture_graph
+
+    graph, _ = capture_graph(fn)  # its own pool and cuBLAS workspace (see capture_graph)
     torch.cuda.synchronize()
     res = bench(graph.replay, warmup=warmup, rep=rep, device="cuda")
     res["method"] = "cuda_graph+" + str(res["method"])

@@ -714,3 +714,81 @@ def test_default_adapter_replays_on_cuda(models) -> None:
             assert runner.last_batch_descriptor.mode is M.PIECEWISE
     finally:
         runner.release()
+
+
+# ---- graphs own their cuBLAS workspace ---------------------------------------------------------
+
+_FOREIGN_CLEAR_SCRIPT = r"""
+import gc, random, sys
+import torch
+from torch import nn
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import vattn
+from test_compile import build
+from test_cudagraph import CUDA_MODEL, SIZES, GraphSafeBackend, _decode_batch
+
+M = vattn.CUDAGraphMode
+# Another library's CUDA graph runs a GEMM first (a benchmark's do_bench, say): torch caches the
+# cuBLAS workspace of the shared capture stream in that graph's private pool. The graph goes.
+lin = nn.Linear(512, 512, device="cuda")
+g0 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g0):
+    lin(torch.randn(8, 512, device="cuda"))
+del g0, lin
+
+
+class WideStep(nn.Module):
+    # The test model, then skinny GEMMs with a long reduction (split-K: they use the workspace).
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.wide = nn.Linear(32 * 256, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+        self.narrow = nn.Linear(32 * 256, 64, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, ids, positions):
+        h = self.model(ids, positions).repeat(1, 256)
+        return torch.cat([self.wide(h), self.narrow(h)], dim=-1)
+
+
+model, cfg, kv = build(2, attn_backend=GraphSafeBackend, **CUDA_MODEL)
+step = WideStep(model).eval()
+runner = vattn.CUDAGraphRunner(step, cfg, kv, capture_sizes=SIZES, mode=M.FULL, max_model_len=128,
+                               show_progress=False)
+ids, positions, common = _decode_batch(kv, 4, random.Random(0))
+saved = {k: t.clone() for k, t in kv.tensors.items()}
+with torch.no_grad():
+    first = runner(ids, positions, common).clone()
+assert runner.last_batch_descriptor.mode is M.FULL
+# What torch.compile(mode="reduce-overhead") does around each recording, then a capture's
+# empty_cache: the first graph's pool is now empty and goes back to the driver.
+torch._C._cuda_clearCublasWorkspaces()
+gc.collect()
+torch.cuda.empty_cache()
+junk = torch.full((1 << 26,), float("nan"), device="cuda")  # takes whatever memory was freed
+for k, t in kv.tensors.items():
+    t.copy_(saved[k])
+with torch.no_grad():
+    again = runner(ids, positions, common).clone()
+torch.cuda.synchronize()
+assert torch.equal(first, again), "replay after the workspaces were cleared differs"
+assert bool(torch.isnan(junk).all()), "the replay wrote into memory it no longer owns"
+print("replay unaffected")
+"""
+
+
+@pytest.mark.cuda
+def test_full_graph_survives_a_cleared_cublas_workspace(tmp_path) -> None:
+    """A replay after another library cleared torch's cuBLAS workspaces (as ``torch.compile(mode=
+    "reduce-overhead")`` does around each recording) neither faults nor writes memory it does not
+    own: the capture allocated its workspace from the runner's pool. In a subprocess, because an
+    illegal memory access leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "foreign_clear.py"
+    script.write_text(_FOREIGN_CLEAR_SCRIPT)
+    res = subprocess.run([sys.executable, str(script), str(tests), str(tests.parent)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "replay unaffected" in res.stdout, (res.stdout + res.stderr)[-3000:]

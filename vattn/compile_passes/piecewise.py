@@ -100,14 +100,36 @@ def weak_ref_tensor(t: Any) -> Any:
     return out
 
 
-def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple["torch.cuda.CUDAGraph", Any]:
-    """Capture ``fn()`` into a new CUDA graph on ``pool``; returns the graph and ``fn``'s output.
+def _clear_blas_workspaces() -> None:
+    """Drop torch's cached cuBLAS / cuBLASLt workspaces (one per handle and stream)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def capture_graph(fn: Callable[[], Any], pool: Any = None) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """Capture ``fn()`` into a new CUDA graph on ``pool`` (None: a pool of its own); returns the graph
+    and ``fn``'s output.
 
     Both the piecewise pieces and the runner's full graphs capture through this function.
+
+    A captured GEMM keeps the address of the cuBLAS workspace torch cached for the capture
+    stream. That workspace belongs to whoever first ran a GEMM on that stream (every
+    ``torch.cuda.graph`` without a stream shares one capture stream), and anyone may free it:
+    ``torch.compile(mode="reduce-overhead")`` clears every cached workspace around each of its
+    recordings. A replay would then read and write freed memory (another tensor's, or an
+    unmapped page: an illegal memory access). So the cache is cleared before the capture,
+    which makes the capture allocate its workspace from ``pool`` (memory the graph owns for
+    its lifetime), and again after it, so no later GEMM outside the graph is handed that
+    memory. This is what PyTorch's own CUDA-graph trees do around their recordings.
     """
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    _clear_blas_workspaces()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        _clear_blas_workspaces()
     return graph, out
 
 
