@@ -174,7 +174,7 @@ def test_changed_source_traces_again(tmp_path, monkeypatch, caplog) -> None:
         with vattn.set_current_vattn_config(cfg):
             model = module.CachedModel().eval()
         compiled = vattn.compile(model, cfg)
-        with vattn.set_forward_context(None, cfg):
+        with vattn.set_forward_context(None, cfg, dummy_run=True):
             compiled(torch.zeros(4, dtype=torch.long), torch.arange(4))
         return compiled
 
@@ -218,7 +218,7 @@ def test_call_failing_the_stored_guards_runs_through_torch_compile(tmp_path, cap
     _steps(compiled, cfg, kv, n=2)
     assert compiled.trace_loaded
     ids, pos = torch.tensor([5, 6, 7], dtype=torch.int32), torch.arange(3)
-    with caplog.at_level(logging.WARNING, logger="vattn.compile"), vattn.set_forward_context(None, cfg):
+    with caplog.at_level(logging.WARNING, logger="vattn.compile"), vattn.set_forward_context(None, cfg, dummy_run=True):
         got = compiled(ids, pos)
         want = model(ids, pos)
     assert "fails the guards of the stored trace" in caplog.text

@@ -668,7 +668,7 @@ def test_rewrite_fuses_rope_in_every_layer_of_the_example_model() -> None:
     finally:
         torch.set_default_dtype(old)
     init_random_weights(model)
-    with vattn.set_forward_context(None, cfg):
+    with vattn.set_forward_context(None, cfg, dummy_run=True):
         gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
     assert one_token_gemv.rewrite(gm) == 3 * 4
     rope = [n for n in gm.graph.nodes if n.target is torch.ops.vattn_examples.gemv.default and len(n.args) > 6 and n.args[9]]
@@ -765,7 +765,7 @@ def test_rewrite_fuses_every_layer_of_a_transformers_llama() -> None:
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16))
     hf = random_model(tiny_config("llama", num_hidden_layers=layers), dtype=torch.bfloat16)
     model = vt.wrap(hf, cfg)
-    with vattn.set_forward_context(None, cfg):
+    with vattn.set_forward_context(None, cfg, dummy_run=True):
         gm, _ = _dynamo_graph(model, torch.tensor([7]), torch.tensor([30]))
     assert one_token_gemv.rewrite(gm) == 7 * layers
     ops = [n for n in gm.graph.nodes if n.target in (torch.ops.vattn_examples.gemv.default,

@@ -249,7 +249,7 @@ def test_warmup_run_leaves_cache_untouched(vattn_config):
     kv = vattn.allocate_kv_cache(vattn_config, num_blocks=4, dtype=torch.float32)
     kv.tensors["a"].normal_()
     before = kv.tensors["a"].clone()
-    with vattn.set_forward_context(None, vattn_config):
+    with vattn.set_forward_context(None, vattn_config, dummy_run=True):
         out = layer(torch.randn(3, H * D), torch.randn(3, HK * D), torch.randn(3, HK * D))
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(kv.tensors["a"], before)

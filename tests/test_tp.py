@@ -507,7 +507,7 @@ def test_fused_norm_hands_flashinfer_its_buffers() -> None:
 def test_shard_without_group_cannot_run() -> None:
     with vattn.set_current_vattn_config(vattn.VattnConfig()):
         model = DecoderForCausalLM(ModelConfig(), tp=TensorParallel(1, 2, None))
-    with pytest.raises(RuntimeError, match="no process group"), vattn.set_forward_context(None, vattn.VattnConfig()):
+    with pytest.raises(RuntimeError, match="no process group"), vattn.set_forward_context(None, vattn.VattnConfig(), dummy_run=True):
         model(torch.zeros(3, dtype=torch.long), torch.arange(3))
 
 

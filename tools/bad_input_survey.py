@@ -416,6 +416,85 @@ def hand_block_in_two_requests(b, d):
     s = S(b, d); s.run(s.hand(table=[[0], [0]], slots=[7, 0, 1, 2, 3, 4]))
 
 
+# -- metadata edited in place after a step ran on it (CommonAttentionMetadata is a public dataclass)
+
+def _edited(b: str, d: str, edit: Callable[[Any], None], hand: bool = False) -> None:
+    """A valid step on metadata (vattn's helper, or hand-built), then ``edit`` in place, then the next step."""
+    s = S(b, d)
+    cm = s.hand() if hand else s.common()
+    s.run(cm)
+    CURRENT["before"] = s.snapshot()  # after the valid step's writes
+    edit(cm)
+    s.run(cm)
+
+
+def _mirrored(name: str, i: int, v: int) -> Callable[[Any], None]:
+    def edit(cm: Any) -> None:
+        getattr(cm, name)[i] = v
+        getattr(cm, name + "_cpu")[i] = v
+    return edit
+
+
+@case("edited", "slot_mapping|slot")
+def edited_slot_past_cache(b, d):
+    _edited(b, d, lambda cm: cm.slot_mapping.__setitem__(5, NB * BS + 3))
+
+
+@case("edited", "slot_mapping|slot")
+def edited_slot_negative_not_padding(b, d):
+    _edited(b, d, lambda cm: cm.slot_mapping.__setitem__(3, -2), hand=True)
+
+
+@case("edited", "block_table|block id|block_tables")
+def edited_block_id_past_num_blocks(b, d):
+    _edited(b, d, lambda cm: cm.block_table_tensor.__setitem__((1, 0), NB + 1))
+
+
+@case("edited", "query_start_loc")
+def edited_query_start_loc_not_monotonic(b, d):
+    _edited(b, d, _mirrored("query_start_loc", 1, 7))
+
+
+@case("edited", "seq_lens|query")
+def edited_seq_lens_below_query_lens(b, d):
+    _edited(b, d, _mirrored("seq_lens", 1, 3), hand=True)
+
+
+@case("edited", "seq_lens|block_table|max_seq_len")
+def edited_seq_lens_past_table(b, d):
+    def edit(cm: Any) -> None:
+        _mirrored("seq_lens", 1, 40)(cm)
+        cm.max_seq_len = 40
+    _edited(b, d, edit)
+
+
+@case("edited", "seq_lens|seq_lens_cpu")
+def edited_mirror_alone(b, d):
+    _edited(b, d, lambda cm: cm.seq_lens_cpu.__setitem__(1, 6), hand=True)
+
+
+# -- semantics a backend cannot honour, a forgotten metadata, a device this build lacks
+
+@case("semantics", "tree_parents", forward=False)
+def tree_parents_on_sdpa(b, d):
+    s = S("TORCH_SDPA", d); s.run(s.common(tree_parents=[-1, -1, 0, 0, 1, 2]))
+
+
+@case("semantics", "attn_metadata|dummy_run")
+def no_metadata_outside_warm_up(b, d):
+    s = S(b, d); q, k, v = s.qkv(6)
+    with s.vattn.set_forward_context(None, s.cfg), s.torch.no_grad():
+        s.layer(q, k, v)
+
+
+@case("semantics", "device", forward=False)
+def allocate_on_missing_gpu(b, d):
+    import torch
+    s = S(b, d, build=False); s.layer = s.make_layer()
+    s.allocate_device = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count() + 7}"
+    s.vattn.allocate_kv_cache(s.cfg, num_blocks=NB, device=s.allocate_device)
+
+
 # -- metadata of another block size / cache
 
 @case("block_size", "block_size")

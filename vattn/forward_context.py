@@ -27,10 +27,12 @@ class ForwardContext:
     Args:
         no_compile_layers: layer name -> ``vattn.Attention`` (the config's static forward context).
         attn_metadata: one metadata for every layer, a dict layer name -> metadata, or
-            ``None`` for a warm-up / profile run (the cache is left untouched).
+            ``None`` for a warm-up / profile run (``dummy_run``: the cache is left untouched).
         virtual_engine: index into each layer's ``kv_cache`` list (pipeline stage).
         batch_descriptor: set by the CUDA-graph runner (the padded size being replayed).
         debug_checks: ``VATTN_DEBUG_CHECKS`` when the context was set (read once per step).
+        dummy_run: a warm-up / profile run: layers without metadata return zeros and write
+            nothing (without it, a layer that finds no metadata raises).
     """
 
     no_compile_layers: dict[str, "Attention"]
@@ -39,6 +41,18 @@ class ForwardContext:
     batch_descriptor: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     debug_checks: bool = False
+    dummy_run: bool = False
+
+    def check_dummy_run(self, layer_name: str) -> None:
+        """Raise ``ValueError`` unless this context is a warm-up run (``dummy_run``): a layer
+        called without metadata would return zeros, which a real step must never take for output."""
+        if not self.dummy_run:
+            raise ValueError(
+                f"{layer_name}: attn_metadata: expected the step's metadata (kv.build_metadata(common)), got None "
+                "outside a warm-up run: the layer would write nothing and return zeros; pass the step's metadata to "
+                "vattn.set_forward_context, or mark a warm-up / profile run explicitly with "
+                "vattn.set_forward_context(None, cfg, dummy_run=True)."
+            )
 
     def metadata_for(self, layer_name: str) -> "AttentionMetadata | None":
         """The metadata of ``layer_name``; a clear error when a per-layer dict lacks it."""
@@ -78,8 +92,8 @@ def get_forward_context() -> ForwardContext:
     if not _forward_context:
         raise RuntimeError(
             "no vattn forward context is set: run the model inside "
-            "`with vattn.set_forward_context(attn_metadata, vattn_config):` "
-            "(attn_metadata=None for a warm-up run)."
+            "`with vattn.set_forward_context(kv.build_metadata(common), vattn_config):` "
+            "(set_forward_context(None, vattn_config, dummy_run=True) for a warm-up run that writes nothing)."
         )
     return _forward_context[-1]
 
@@ -91,13 +105,18 @@ def set_forward_context(
     *,
     virtual_engine: int = 0,
     batch_descriptor: Any = None,
+    dummy_run: bool = False,
 ) -> Iterator[ForwardContext]:
     """Set the metadata the attention ops see inside the block; restores the previous context on exit.
 
     Args:
         attn_metadata: built by each group's ``AttentionMetadataBuilder.build``; a dict maps
-            layer names to metadata; ``None`` means a warm-up run (cache untouched, zeros out).
+            layer names to metadata; ``None`` only with ``dummy_run=True``.
         vattn_config: the config the model was built under (default: the current one).
+        dummy_run: a warm-up / profile run (vLLM's name): attention layers without metadata
+            leave the cache untouched and return zeros. Without it such a layer raises
+            ``ValueError`` naming ``attn_metadata``, so a forgotten metadata never turns into
+            zeros that look like output.
     """
     config = vattn_config if vattn_config is not None else get_current_vattn_config()
     ctx = ForwardContext(
@@ -106,6 +125,7 @@ def set_forward_context(
         virtual_engine=virtual_engine,
         batch_descriptor=batch_descriptor,
         debug_checks=envs.VATTN_DEBUG_CHECKS,
+        dummy_run=bool(dummy_run),
     )
     _forward_context.append(ctx)
     try:

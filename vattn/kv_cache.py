@@ -26,6 +26,7 @@ from vattn.backends.abstract import (
 from vattn.backends.batch_checks import StepChecks, cache_geometry
 from vattn.backends.checks import check_common_metadata
 from vattn.backends.debug_checks import check_common_on_device
+from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import VattnConfig, get_current_vattn_config
 from vattn.metadata import build_common_attn_metadata
 from vattn.ops.kv_store import kv_cache_torch_dtype
@@ -82,8 +83,10 @@ class PagedKVCache:
         block ids below ``num_blocks``, the block table's reach; the slots and block table
         themselves where they are CPU tensors, or where vattn's helpers built them). Device tensors
         a caller filled by hand are read only with ``VATTN_DEBUG_CHECKS=1`` (one host sync per
-        step): reading them otherwise would stall every step. Once per metadata; raises
-        ``ValueError`` naming the field."""
+        step): reading them otherwise would stall every step, so the backends keep every access
+        inside the cache and the block table instead. Once per metadata, and again after any of
+        its tensors was replaced or edited in place (``StepChecks.describes``: identities and
+        version counters, a few attribute reads); raises ``ValueError`` naming the field."""
         if not isinstance(common, CommonAttentionMetadata):
             raise TypeError(
                 f"common: expected a vattn.CommonAttentionMetadata (kv.common_metadata(...)), got "
@@ -91,8 +94,9 @@ class PagedKVCache:
                 "vattn.build_common_attn_metadata."
             )
         checks = common.host_checks
-        if checks is None or not checks.describes(common):  # fields replaced after construction
+        if checks is None or not checks.describes(common):  # fields replaced or edited in place since construction
             checks = common.host_checks = check_common_metadata(common)
+            checks.bind(common)
         device = self.device or checks.device
         if checks.device != device:
             raise ValueError(
@@ -105,11 +109,31 @@ class PagedKVCache:
             checks.device_checked = True
         return checks
 
+    def _check_trees(self, common: CommonAttentionMetadata) -> None:
+        """Draft trees (``tree_parents``, with a request of several new tokens) only for groups
+        whose backend honours them: any other would attend causally, silently."""
+        if common.tree_parents is None or common.max_query_len <= 1:
+            return
+        for g in self.groups:
+            if not g.backend.supports_tree_parents:
+                able = [m.name for m in AttentionBackendEnum if _declares_trees(m)]
+                raise NotImplementedError(
+                    f"CommonAttentionMetadata.tree_parents: backend {g.backend.get_name()} (layers "
+                    f"{g.layer_names[:3]}{'...' if len(g.layer_names) > 3 else ''}) does not honour draft trees and "
+                    f"would attend causally instead; build those layers with attn_backend= one of {able} "
+                    "(TREE_ATTN serves mask and score mods too), or pass tree_parents=None for chains."
+                )
+
     def build_metadata(
         self, common: CommonAttentionMetadata, common_prefix_len: int = 0, fast_build: bool = False
     ) -> dict[str, AttentionMetadata]:
-        """Each group's backend metadata for this step, keyed by layer name (``check`` first)."""
+        """Each group's backend metadata for this step, keyed by layer name (``check`` first).
+
+        Every step's checks run here, before anything is written: ``common`` itself (again if a
+        field was replaced or edited in place since construction) and what each group's backend
+        can honour (``tree_parents``)."""
         checks = self.check(common)
+        self._check_trees(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
             md = g.builder.build(common_prefix_len, common, fast_build=fast_build)
@@ -119,6 +143,7 @@ class PagedKVCache:
 
     def build_metadata_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> dict[str, AttentionMetadata]:
         checks = self.check(common)
+        self._check_trees(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
             md = g.builder.build_for_cudagraph_capture(common)
@@ -154,6 +179,15 @@ class PagedKVCache:
             f"PagedKVCache(layers={len(self.tensors)}, num_blocks={self.num_blocks}, "
             f"block_size={self.block_size}, groups={len(self.groups)}, GiB={self.nbytes / 2**30:.3f})"
         )
+
+
+def _declares_trees(member: Any) -> bool:
+    """Whether the registered backend ``member`` declares ``supports_tree_parents`` (False
+    where its class cannot be imported here)."""
+    try:
+        return bool(member.get_class().supports_tree_parents)
+    except Exception:  # noqa: BLE001  (an optional library missing: it cannot serve anyway)
+        return False
 
 
 def _spec_of(layer: "AttentionLayerBase", dtype: torch.dtype) -> AttentionSpec:
@@ -205,7 +239,7 @@ def allocate_kv_cache(
         raise ValueError(f"num_blocks: expected a positive int, got {num_blocks}; pass at least 1 (a request of "
                          "n tokens needs ceil(n / block_size) blocks).")
     num_blocks = int(num_blocks)
-    device = torch.device(device)
+    device = _checked_device(device)
     layers: dict[str, "Attention"] = config.compilation.static_forward_context
     if not layers:
         raise ValueError(
@@ -244,6 +278,28 @@ def allocate_kv_cache(
     bind_kv_cache(tensors, config)
     logger.info("allocated %r", kv)
     return kv
+
+
+def _checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device`` this torch build can allocate on, else ``ValueError``
+    naming it (instead of torch's assertion deep inside the allocation)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected a torch device such as 'cuda', 'cuda:0' or 'cpu', got {device!r} ({e}); "
+                         "pass the model's device.") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = ("this torch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver)")
+            raise ValueError(f"device: expected a device this machine has, got {str(device)!r}, but {why} "
+                             f"(torch {torch.__version__}); pass device='cpu', or install a CUDA build of torch "
+                             "and run where a GPU is visible.")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device: expected one of cuda:0 .. cuda:{count - 1} (the GPUs visible here), got "
+                             f"{str(device)!r}; pass an index below torch.cuda.device_count() = {count}.")
+    return dev
 
 
 def _check_capacity(owners: list[tuple[str, Any, AttentionSpec]], num_blocks: int, device: torch.device) -> None:

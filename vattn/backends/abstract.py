@@ -97,6 +97,11 @@ class CommonAttentionMetadata:
     where they are CPU tensors, once the batch meets a cache); a bad field raises ``ValueError``
     naming it. Then ``slot_mapping[num_slot_tokens:]`` is filled with -1, so padded tokens never
     touch the cache.
+
+    Fields replaced or edited in place after construction are checked again when the batch
+    meets a cache (``PagedKVCache.build_metadata``, every step): host tensors in full, device
+    tensors only with ``VATTN_DEBUG_CHECKS=1`` (no sync otherwise; the kernels then keep every
+    read and write inside the cache and the block table).
     """
 
     query_start_loc: torch.Tensor
@@ -123,6 +128,7 @@ class CommonAttentionMetadata:
             self.slot_mapping[real:].fill_(-1)
         if self.max_seq_len < 0:
             self.max_seq_len = int(self.seq_lens_cpu[: self.num_reqs].max()) if self.num_reqs else 0
+        self.host_checks.bind(self)  # an in-place edit from here on is seen (``StepChecks.describes``)
 
     @property
     def device(self) -> torch.device:
@@ -159,6 +165,9 @@ class AttentionBackend(ABC):
     supports_alibi: ClassVar[bool] = False
     supports_mask_mod: ClassVar[bool] = False  # takes a layer's FlexAttention mask_mod
     supports_score_mod: ClassVar[bool] = False  # takes a layer's FlexAttention score_mod
+    supports_tree_parents: ClassVar[bool] = False
+    """Its builder honours ``CommonAttentionMetadata.tree_parents`` (draft trees); else
+    ``PagedKVCache.build_metadata`` refuses a batch that carries them."""
     supported_attn_types: ClassVar[tuple[str, ...]] = (AttentionType.DECODER,)
     runs_on_cpu: ClassVar[bool] = False
     """Serves CPU tensors (else CUDA only)."""

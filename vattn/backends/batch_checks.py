@@ -163,6 +163,16 @@ class StepChecks:
     | block_size | the block size the slots were computed for (vattn's helpers), or None (unknown) |
     | max_block | the largest block id the requests use, or None (not known on the host) |
     | host_batch | (qsl, seq, table, slots) numpy arrays and ``check_batch`` keywords, or None (device tensors) |
+    | stamp | after ``bind``: the metadata's tensor fields with their version counters, and its scalar fields, when the facts were taken |
+
+    The facts stay valid while the metadata's tensors are the same objects, unedited: ``bind``
+    records each tensor field's ``_version`` (which every in-place torch op on it, or on a view
+    of it, increments) and its scalar fields, so an edit after construction
+    (``common.slot_mapping[3] = ...``, on the host or the device, or ``common.max_seq_len = 40``)
+    makes ``describes`` False and ``PagedKVCache.check`` takes the facts
+    again, host tensors checked in full. Writes that bypass torch's version counter (through a
+    ``.numpy()`` view or ``.data``) are not seen: construct a new ``CommonAttentionMetadata``
+    after those (construction checks it).
     """
 
     refs: tuple[Any, ...] = field(repr=False)
@@ -174,11 +184,25 @@ class StepChecks:
     host_batch: tuple[tuple[np.ndarray, ...], dict[str, Any]] | None = field(default=None, repr=False)
     passed: tuple[int, int | None] | None = None
     device_checked: bool = False
+    stamp: tuple[tuple[Any, ...], tuple[int, ...], tuple[Any, ...]] | None = field(default=None, repr=False)
 
     def describes(self, md: Any) -> bool:
-        """Whether these facts are about ``md``'s tensors (not a copy's with other tensors)."""
-        now = (md.query_start_loc_cpu, md.seq_lens_cpu, md.block_table_tensor, md.slot_mapping)
-        return all(a is b for a, b in zip(self.refs, now))
+        """Whether these facts are about ``md``'s tensors (not a copy's with other tensors) as
+        they are now (after ``bind``: none replaced or edited in place since)."""
+        if self.stamp is None:
+            now = (md.query_start_loc_cpu, md.seq_lens_cpu, md.block_table_tensor, md.slot_mapping)
+            return all(a is b for a, b in zip(self.refs, now))
+        tensors, versions, scalars = self.stamp
+        for a, b, v in zip(tensors, _tensor_fields(md), versions):
+            if a is not b or a._version != v:
+                return False
+        return scalars == _scalar_fields(md)
+
+    def bind(self, md: Any) -> None:
+        """Record ``md``'s tensor fields with their version counters, and its scalar fields (the
+        end of its construction, or of a recheck)."""
+        tensors = _tensor_fields(md)
+        self.stamp = (tensors, tuple(t._version for t in tensors), _scalar_fields(md))
 
     def check(self, block_size: int, num_blocks: int | None, where: str) -> None:
         """Raise ``ValueError`` unless the batch fits a cache of ``num_blocks`` blocks of
@@ -215,6 +239,16 @@ class StepChecks:
             block_size=self.block_size, max_block=None if self.max_block is None else max(self.max_block, 0),
             host_batch=self.host_batch,
         )
+
+
+def _tensor_fields(md: Any) -> tuple[Any, ...]:
+    """The tensors of a ``CommonAttentionMetadata`` that kernels or host work read."""
+    return (md.query_start_loc, md.query_start_loc_cpu, md.seq_lens, md.seq_lens_cpu, md.num_computed_tokens_cpu,
+            md.block_table_tensor, md.slot_mapping)
+
+
+def _scalar_fields(md: Any) -> tuple[Any, ...]:
+    return (md.num_reqs, md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.causal, md.num_slot_tokens)
 
 
 def unchecked_block_limit(cm: Any, vattn_config: Any, layer_names: list[str], blocks_dim: int) -> int | None:

@@ -47,7 +47,8 @@ def run_layer(
     layer = ctx.layer(layer_name)
     attn_metadata = ctx.metadata_for(layer_name)
     kv_cache = layer.kv_cache[ctx.virtual_engine]
-    if attn_metadata is None:  # warm-up / profile run: cache untouched, zeros out
+    if attn_metadata is None:  # a warm-up / profile run (ctx.dummy_run): cache untouched, zeros out
+        ctx.check_dummy_run(layer_name)
         if output is None:
             return torch.zeros_like(query)
         output.zero_()
@@ -134,15 +135,32 @@ def _check_cache(layer, query: torch.Tensor, key: torch.Tensor | None, kv_cache:
         )
     fp8 = layer.kv_cache_dtype.startswith("fp8")
     if key is not None and kv_cache.dtype != key.dtype and not fp8:
-        raise TypeError(
-            f"{layer.layer_name}: kv_cache dtype {kv_cache.dtype} does not match key dtype {key.dtype}; "
-            "allocate the cache with dtype= the model dtype (vattn.allocate_kv_cache(..., dtype=...))."
-        )
+        _dtype_mismatch(layer, query, key, kv_cache)
     if fp8 and kv_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
         raise TypeError(
             f"{layer.layer_name}: kv_cache dtype: expected an fp8 (or uint8) cache for cache_dtype="
             f"{layer.kv_cache_dtype!r}, got {kv_cache.dtype}; allocate it with vattn.allocate_kv_cache."
         )
+
+
+def _dtype_mismatch(layer: Any, query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """The ``TypeError`` for inputs whose dtype is not the cache's, saying which side is off:
+    the inputs when the cache holds the layer's dtype (its construction dtype), else the cache."""
+    name, want = layer.layer_name, kv_cache.dtype
+    layer_dtype = getattr(layer, "dtype", None)
+    if layer_dtype == want or layer_dtype != key.dtype:
+        raise TypeError(
+            f"{name}: query/key/value dtype: expected {want}, the dtype of this layer's KV cache"
+            f"{' and of the layer (built under it)' if layer_dtype == want else ''}, got query {query.dtype}, key "
+            f"{key.dtype}; cast the inputs to {want} (e.g. run the model in {want}), or build the model under "
+            f"torch.set_default_dtype({key.dtype}) and allocate the cache with "
+            f"vattn.allocate_kv_cache(..., dtype={key.dtype})."
+        )
+    raise TypeError(
+        f"{name}: kv_cache dtype: expected {key.dtype}, the dtype of the layer (built under it) and of its "
+        f"query/key/value, got a cache of {want}; allocate the cache with vattn.allocate_kv_cache(..., "
+        f"dtype={key.dtype})."
+    )
 
 
 def unified_attention_with_output(

@@ -98,10 +98,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         b = cm.num_reqs
         if self.use_persistent_buffers and b <= rows <= self._max_graph_tokens and self._fits(cm):
             return self._build_graph(cm, rows, mark=False)
-        seq = cm.seq_lens[:b]
+        qsl, seq, table = cm.query_start_loc[: b + 1], cm.seq_lens[:b], cm.block_table_tensor[:b]
+        limit = self.unchecked_block_limit(cm)
+        if limit is not None:
+            qsl, seq, table = _bounded(qsl, seq, table, limit, rows, self.kv_cache_spec.block_size)
         md = FlashAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
-            query_start_loc=cm.query_start_loc[: b + 1], seq_lens=seq, block_table=cm.block_table_tensor[:b],
+            query_start_loc=qsl, seq_lens=seq, block_table=table,
             max_query_len=max(cm.max_query_len, 1), max_seq_len=max(cm.max_seq_len, 1), causal=cm.causal,
         )
         if self.iface is not None and self.iface.name == "fa2":
@@ -156,6 +159,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         buf["seq"][n:rows].zero_()
         table[:n, :w].copy_(cm.block_table_tensor[:n, :w], non_blocking=True)
         buf["slots"][:rows].copy_(cm.slot_mapping, non_blocking=True)
+        limit = self.unchecked_block_limit(cm)
+        if limit is not None:  # in place: the buffers are what a captured graph reads
+            _bounded(buf["qsl"][: n + 1], buf["seq"][:n], table[:n], limit, rows, self.kv_cache_spec.block_size,
+                     out=True)
         cu_k = None
         if self.iface is not None and self.iface.name == "fa2":
             cu_k = buf["cu_k"][: rows + 1]
@@ -168,3 +175,19 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             max_query_len=rows, max_seq_len=table.shape[1] * self.kv_cache_spec.block_size,
             causal=cm.causal, cu_seqlens_k=cu_k, use_cuda_graph=mark,
         )
+
+
+def _bounded(qsl: torch.Tensor, seq: torch.Tensor, table: torch.Tensor, num_blocks: int, num_tokens: int,
+             block_size: int, out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device metadata no host check read (``unchecked_block_limit``), made safe for FlashAttention
+    without a sync: ``qsl`` (B+1,) non-decreasing in ``[0, num_tokens]``, ``seq`` (B,) within the
+    table's ``W * block_size`` keys, ``table`` (B, W) ids in ``[0, num_blocks)``. Wrong metadata then
+    gives wrong output, never a read or write outside q, the output or the cache. ``out``: in place."""
+    if out:
+        qsl.clamp_(0, num_tokens)
+        qsl.copy_(torch.cummax(qsl, 0).values)
+        seq.clamp_(0, table.shape[1] * block_size)
+        table.clamp_(0, num_blocks - 1)
+        return qsl, seq, table
+    qsl = torch.cummax(qsl.clamp(0, num_tokens), 0).values
+    return qsl, seq.clamp(0, table.shape[1] * block_size), table.clamp(0, num_blocks - 1)

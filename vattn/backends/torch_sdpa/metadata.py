@@ -105,6 +105,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         limit = self.unchecked_block_limit(cm) if dev.type != "cpu" else None
         if limit is not None:  # ids never seen on the host: keep reads inside the cache (no device assert)
             bt = bt.clamp(0, limit - 1)
+        unchecked = limit is not None  # device metadata no host check read: clamp every gather index too
         n_blocks = -(-Lk // block_size)
         table_covers = bt.shape[1] >= n_blocks
         num_tokens = cm.num_actual_tokens
@@ -122,10 +123,15 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             # Token t belongs to request r with qsl[r] <= t < qsl[r + 1]; its padded row is r * Lq + (t - qsl[r]).
             t = torch.arange(num_tokens, device=dev)
             r = torch.searchsorted(qsl[1:], t, right=True)
-            return dict(query_index=torch.where(query_valid, qsl[:-1, None] + i[None, :], 0),
+            query_index = torch.where(query_valid, qsl[:-1, None] + i[None, :], 0)
+            output_index = r * Lq + (t - qsl[r])
+            if unchecked:  # a wrong query_start_loc reads wrong rows, never past q or the padded output
+                query_index = query_index.clamp(0, max(num_tokens - 1, 0))
+                output_index = output_index.clamp(0, max(B * Lq - 1, 0))
+            return dict(query_index=query_index,
                         query_pos=(seq_lens - qlens)[:, None] + i[None, :], key_valid=key_valid,
                         key_block=key_block, key_offset=key_offset, encoder_key_valid=query_valid,
-                        output_index=r * Lq + (t - qsl[r]))
+                        output_index=output_index)
 
         decode_blocks = decode_key_valid = decode_first_block = None
         if Lq == 1 and cm.num_actual_tokens == B and B and bt.shape[1] >= n_blocks:

@@ -68,6 +68,8 @@ class TreeAttentionImpl(FlexAttentionImpl):
 class TreeAttentionBackend(FlexAttentionBackend):
     """Tree-shaped speculative decoding: draft tokens attend to the context and their ancestors."""
 
+    supports_tree_parents = True
+
     @staticmethod
     def get_name() -> str:
         return "TREE_ATTN"

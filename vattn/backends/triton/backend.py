@@ -47,6 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     supports_alibi: ClassVar[bool] = True
+    supports_tree_parents: ClassVar[bool] = True  # the kernel's tree mask (``TritonAttentionMetadata.tree``)
     supported_attn_types: ClassVar[tuple[str, ...]] = SUPPORTED_ATTN_TYPES
     runs_on_cpu: ClassVar[bool] = False
     min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)

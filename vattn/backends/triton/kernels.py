@@ -93,7 +93,7 @@ def _attend_tiles(
     FROM_INPUT: tl.constexpr = False, CACHE_TY: tl.constexpr = None, KV_FP8: tl.constexpr = False,
     KV_FP8_MAX: tl.constexpr = 0.0, KV_ROUND_FIX: tl.constexpr = 0,
     TREE: tl.constexpr = False, tree_ptr=None, tree_rows=None, tree_ctx=0, blk_first=None,
-    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_rope=0,
+    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_rope=0, num_blocks=1, tree_w=0,
 ):
     """Online-softmax update over key tiles ``[j_lo, j_hi)``; ``MASK`` adds all masking.
 
@@ -109,7 +109,10 @@ def _attend_tiles(
     ``TREE`` (needs ``MASK``): a key at position ``n >= tree_ctx`` (the step's new token
     ``n - tree_ctx``) is visible to row ``r`` only where ``tree_ptr[tree_rows[r] + n - tree_ctx]``
     is nonzero (``tree_rows``: (BLOCK_M,) int64 offsets of the rows' ancestor bytes, < 0 for
-    padding rows).
+    padding rows; ``tree_w``: the bytes of a row, never read past).
+
+    Block ids are clamped into ``[0, num_blocks)`` as they are used: a hand-built block table
+    never checked on the host (device metadata) reads a wrong block, never outside the cache.
 
     ``blk_first``: the (TILE_N,) block-table entries of tile ``j_lo``, loaded by the caller
     (before it waits for the kernel before it); None: loaded here.
@@ -141,7 +144,7 @@ def _attend_tiles(
             k_off = (rows * stride_ks)[:, None] + offs_d[None, :] * stride_kd
             v_off = (rows * stride_vs)[:, None] + offs_d[None, :] * stride_vd
         else:
-            blk = blk_next.to(tl.int64)
+            blk = tl.minimum(tl.maximum(blk_next.to(tl.int64), 0), num_blocks - 1)
             nxt = offs_n + TILE_N
             blk_next = tl.load(bt_row_ptr + nxt.to(tl.uint32) // PAGE_SIZE, mask=nxt < n_lim, other=0)
             if MASK:
@@ -196,7 +199,7 @@ def _attend_tiles(
                 rel = offs_n - tree_ctx
                 new_key = (rel >= 0) & n_ok
                 anc = tl.load(tree_ptr + tree_rows[:, None] + rel[None, :],
-                              mask=(tree_rows >= 0)[:, None] & new_key[None, :], other=0)
+                              mask=(tree_rows >= 0)[:, None] & (new_key & (rel < tree_w))[None, :], other=0)
                 ok = ok & ((rel < 0)[None, :] | (anc != 0))
             s = tl.where(ok, s, float("-inf"))
         if USE_SOFTCAP or USE_ALIBI:
@@ -230,13 +233,14 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_blocks", "bt_cols", "window_left", "window_right"])
 def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seqused_k_ptr, block_table_ptr,
     sinks_ptr, alibi_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr,
     key_ptr, value_ptr, slot_ptr, tree_ptr, cos_ptr, sin_ptr,
-    num_seqs, num_tokens, softmax_scale, softcap, window_left, window_right, stride_tree, stride_rope,
+    num_seqs, num_tokens, num_blocks, bt_cols, softmax_scale, softcap, window_left, window_right, stride_tree,
+    stride_rope,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -263,7 +267,13 @@ def _unified_attention_kernel(
     request that token ``t`` sees (its ancestors and itself); cached keys stay visible to all,
     and the step's keys lie in masked tiles. ``ROPE``: q (and with ``FUSE_STORE`` the new keys)
     arrive unrotated; token ``t``'s rows are rotated by rows ``t`` of ``cos_ptr`` / ``sin_ptr``
-    ((T, D), token stride ``stride_rope``) as they are loaded (``vattn.kernels.rotary``)."""
+    ((T, D), token stride ``stride_rope``) as they are loaded (``vattn.kernels.rotary``).
+
+    Device metadata may be hand-built and unchecked (no host sync reads it), so nothing it says
+    moves a read or write outside the tensors: a request's query rows are clamped into
+    ``[0, num_tokens)``, its keys to the ``bt_cols`` columns of its block-table row, block ids
+    into ``[0, num_blocks)``, stored slots to ``[0, num_blocks * PAGE_SIZE)``. On valid metadata
+    every clamp is a no-op."""
     if LAUNCH_DEPENDENTS:  # a PDL-launched next kernel may start (it waits for our output itself)
         tl.extra.cuda.gdc_launch_dependents()
     # Heaviest q blocks (the last ones of each request under causal masking) start first.
@@ -293,9 +303,12 @@ def _unified_attention_kernel(
         q_start = tl.load(cu_q_ptr + seq)
         q_next = tl.load(cu_q_ptr + seq + 1)
         seq_len = tl.load(seqused_k_ptr + seq)
+    q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # this program's block, as the grid counts them
+    q_start = tl.minimum(tl.maximum(q_start, 0), num_tokens)
+    q_next = tl.minimum(tl.maximum(q_next, q_start), num_tokens)
+    seq_len = tl.minimum(seq_len, bt_cols * PAGE_SIZE)
     q_len = q_next - q_start
-    q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_off >= q_len:
+    if (q_off < 0) | (q_off >= q_len):
         return
     ctx_len = seq_len - q_len
     bt_row_ptr = block_table_ptr + seq * stride_bt
@@ -368,7 +381,7 @@ def _unified_attention_kernel(
         tl.extra.cuda.gdc_wait()
 
     if FUSE_STORE:
-        st_ok = (slots >= 0)[:, None] & d_ok[None, :]
+        st_ok = ((slots >= 0) & (slots < num_blocks.to(tl.int64) * PAGE_SIZE))[:, None] & d_ok[None, :]
         k_row_ptrs = key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh
         if ROPE:
             cs = rows[:, None] * stride_rope
@@ -452,7 +465,8 @@ def _unified_attention_kernel(
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
-            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len, blk_first=blk_first)
+            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len, blk_first=blk_first,
+            num_blocks=num_blocks, tree_w=stride_tree)
     else:
         if USE_WINDOW:  # leading edge tiles (left window boundary)
             acc, m_i, l_i = _attend_tiles(
@@ -462,14 +476,15 @@ def _unified_attention_kernel(
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
                 BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
                 True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
-                TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len)
+                TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len, num_blocks=num_blocks,
+                tree_w=stride_tree)
         acc, m_i, l_i = _attend_tiles(  # interior tiles: no masking at all
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
             tl.maximum(s_lo, u_lo), tl.minimum(s_hi, u_hi), kv_end,
             qk_scale2, softcap_in, softcap_out, window_left, window_right,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
-            False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME)
+            False, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME, num_blocks=num_blocks)
         acc, m_i, l_i = _attend_tiles(  # trailing edge tiles: causal diagonal, last partial tile
             acc, m_i, l_i, q, q_pos, alibi2, k_head_ptr, v_head_ptr, bt_row_ptr,
             tl.maximum(s_lo, u_hi), s_hi, kv_end,
@@ -477,7 +492,8 @@ def _unified_attention_kernel(
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, 0, 0, k_scale_ptr, v_scale_ptr,
             BLOCK_M, HEAD_SIZE, HEAD_PAD, TILE_N, PAGE_SIZE, COMPUTE_DTYPE, DOT_FP32,
             True, CAUSAL, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, V_CVT, KV_SAME,
-            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len)
+            TREE=TREE, tree_ptr=tree_ptr, tree_rows=tree_rows, tree_ctx=ctx_len, num_blocks=num_blocks,
+            tree_w=stride_tree)
 
     if FUSE_STORE:
         # Split 0 (the one that stored them) attends to the step's keys: a longer query's in

@@ -173,6 +173,11 @@ def paged_attention(
     and itself; ``W`` at least the longest query), its cached keys to all its tokens.
     Rows of tokens past ``cu_seqlens_q[B]`` (padding) are left untouched.
 
+    The metadata tensors are not read on the host: where they are wrong the kernel still keeps
+    every access inside ``q``/``out``, the caches and each request's block-table row (query rows
+    clamped into ``[0, T)``, keys to the row's ``max_blocks * block_size``, block ids into
+    ``[0, num_blocks)``; fused-store slots outside the cache are skipped): wrong output, no fault.
+
     ``rope_cos``/``rope_sin`` (both or neither) fuse rotary embedding (rotate-half form,
     ``vattn.ops.rotary.apply_rotary``): q, and with the fused store ``key``, are rotated as the
     kernel loads them. Keys already in the cache must be rotated (``store_kv(..., rope=...)``).
@@ -307,6 +312,8 @@ def paged_attention(
                              "slot_mapping None): store the step's K/V first (vattn.ops.kv_store.store_kv).")
         if tree.dtype != torch.uint8:
             tree = tree.view(torch.uint8)
+        if tree.stride(0) != tree.shape[1]:  # the kernel reads a row's stride(0) bytes, no more
+            tree = tree.contiguous()
     if fuse:
         _check_fused_store(key, value, slot_mapping, q, k_cache)
         assert key is not None and value is not None and slot_mapping is not None
@@ -336,7 +343,7 @@ def paged_attention(
         alibi_slopes if alibi_slopes is not None else dummy,
         qs, ks, vs, os_, new_k, new_v, slots, tree if tree is not None else dummy,
         rope_cos if rope_cos is not None else dummy, rope_sin if rope_sin is not None else dummy,
-        num_seqs, num_tokens, float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
+        num_seqs, num_tokens, k_cache.shape[0], block_table.shape[1], float(softmax_scale), float(softcap) if softcap else 1.0, left, right,
         tree.stride(0) if tree is not None else 0, rope_cos.stride(0) if rope_cos is not None else 0,
         *q.stride(), *k_strides, *v_strides, *out.stride(), block_table.stride(0), *new_strides,
         NUM_Q_HEADS=num_q_heads, QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=hp, PAGE_SIZE=page_size,
