@@ -28,17 +28,23 @@ that position sample its next token (a chunk that ends mid-prompt samples nothin
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 import vattn
+from vattn.compile_passes.piecewise import capture_graph
 
 __all__ = ["PENDING", "BlockAllocator", "Engine", "Request", "SamplingParams", "Scheduler", "sample"]
+
+logger = logging.getLogger("vattn.examples.engine")
 
 #: An output token sampled by the step in flight, not on the host yet (async scheduling).
 PENDING = -1
@@ -46,11 +52,41 @@ PENDING = -1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` is greedy; otherwise softmax(logits / temperature) restricted to the top-p mass."""
+    """``temperature == 0`` is greedy; otherwise softmax(logits / temperature) restricted to the top-p mass.
+
+    Checked here, once: ``max_tokens`` an integer >= 0 (0: the request finishes at once, with no
+    outputs), ``temperature`` a finite number >= 0, ``top_p`` a number in (0, 1].
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        n = self.max_tokens
+        integral = isinstance(n, numbers.Integral) and not isinstance(n, bool)
+        if not integral or n < 0:
+            raise (ValueError if integral else TypeError)(
+                f"SamplingParams: max_tokens must be an integer >= 0 (how many tokens to generate), got {n!r} "
+                f"({type(n).__name__}); pass a whole number, e.g. max_tokens=16 (it is never rounded).")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise (ValueError if _is_real(t) else TypeError)(
+                f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), got {t!r}; pass "
+                "temperature=0.0 for greedy decoding or a positive value to sample.")
+        p = self.top_p
+        if not _is_real(p) or not 0 < p <= 1:
+            raise (ValueError if _is_real(p) else TypeError)(
+                f"SamplingParams: top_p must be a number in (0, 1] (the probability mass sampled from), got "
+                f"{p!r}; pass top_p=1.0 to sample from the whole distribution.")
+        object.__setattr__(self, "max_tokens", int(n))
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+
+
+def _is_real(x: object) -> bool:
+    """A real number that is not a bool (True is an int in Python)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(eq=False)
@@ -63,6 +99,9 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    #: Set when a step failed because of this request (``Engine.step``): it is finished, with
+    #: the outputs it had, and its blocks are freed.
+    error: Exception | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +114,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.output_token_ids) >= self.sampling.max_tokens
+        return len(self.output_token_ids) >= self.sampling.max_tokens or self.error is not None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
@@ -178,6 +217,8 @@ class Scheduler:
         self.block_tables = BlockTables(max_num_seqs)
 
     def add(self, req: Request) -> None:
+        """Queue ``req`` (its token ids and sampling already checked: ``Engine.add_request``), or
+        refuse it if it can never fit the cache or the token budget."""
         need = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // self.block_size)
         if need > self.allocator.num_blocks:
             raise ValueError(
@@ -189,10 +230,9 @@ class Scheduler:
             raise ValueError(
                 f"request {req.req_id} has up to {total} tokens to (re)compute but chunked_prefill=False and "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}; raise the budget or enable chunked prefill.")
-        if not req.prompt_token_ids or req.sampling.max_tokens < 1:
-            raise ValueError(f"request {req.req_id}: the prompt must be non-empty and max_tokens >= 1.")
-        if min(req.prompt_token_ids) < 0:
-            raise ValueError(f"request {req.req_id}: prompt token ids must be >= 0, got {min(req.prompt_token_ids)}.")
+        if req.sampling.max_tokens == 0:  # nothing to generate: finished as it arrives, no blocks taken
+            self.finished.append(req)
+            return
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -251,6 +291,16 @@ class Scheduler:
             budget -= n
         return out
 
+    def fail(self, req: Request, error: Exception) -> None:
+        """Finish running request ``req`` with ``error`` (``Engine.step``): its blocks are freed and
+        it keeps the outputs it had."""
+        req.error = error
+        self.allocator.free(req.block_ids, req.req_id)
+        self.block_tables.release(req.req_id)
+        req.block_ids = []
+        self.running.remove(req)
+        self.finished.append(req)
+
     def update(self, scheduled: list[tuple[Request, int]], sampled: dict[int, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens (``req_id -> token``); returns newly finished."""
         done = []
@@ -258,7 +308,7 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.req_id in sampled:
                 req.output_token_ids.append(sampled[req.req_id])
-                if req.finished:
+                if len(req.output_token_ids) >= req.sampling.max_tokens:
                     self.allocator.free(req.block_ids, req.req_id)
                     self.block_tables.release(req.req_id)
                     req.block_ids = []
@@ -329,12 +379,49 @@ class _InFlight:
     owners: list[tuple[Request, int]]  # (request, index in its output_token_ids) per row
 
 
+def _prompt_ids(prompt: object, vocab_size: int | None) -> list[int]:
+    """``prompt`` (a sequence, or a 1-D integer numpy array or tensor) as a list of int token ids,
+    checked once, where the request arrives: non-empty, integers (a float or bool id is refused,
+    never truncated), each in ``[0, vocab_size)`` (``>= 0`` when the model states no vocabulary)."""
+    where = "add_request: prompt_token_ids"
+    batch_hint = "one request's ids, 1-D; for several prompts call add_request once per prompt"
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        dtype, shape = prompt.dtype, tuple(prompt.shape)
+        integer = (dtype.kind in "iu" if isinstance(prompt, np.ndarray)
+                   else not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex))
+        if not integer or len(shape) != 1:
+            raise TypeError(f"{where} must be a 1-D integer array of token ids, got dtype {dtype} and shape {shape}; "
+                            f"pass {batch_hint} (float and bool ids are refused, not converted).")
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
+        ids = list(prompt)
+    else:
+        raise TypeError(f"{where} must be a sequence of integer token ids (e.g. a list of int), got "
+                        f"{type(prompt).__name__}; tokenize text first and pass {batch_hint}.")
+    if not ids:
+        raise ValueError(f"{where} is empty; a request needs at least one prompt token (e.g. the BOS id).")
+    if not all(type(t) is int for t in ids):  # the common case in one pass; else find what is wrong
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{where}[{i}] is {t!r} ({type(t).__name__}); token ids must be integers (float "
+                                f"and bool ids are refused, not truncated); pass {batch_hint}.")
+        ids = [int(t) for t in ids]  # numpy integers
+    if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
+        i, t = next((i, t) for i, t in enumerate(ids) if t < 0 or (vocab_size is not None and t >= vocab_size))
+        valid = f"[0, {vocab_size}) (the model's config.vocab_size)" if vocab_size is not None else ">= 0"
+        raise ValueError(f"{where}[{i}] is {t}, outside the vocabulary: token ids must be in {valid}; pass ids "
+                         "from the model's own tokenizer (no padding or -1 entries: only the prompt's tokens).")
+    return ids
+
+
 @dataclass
 class StepStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_new_outputs: int
     seconds: float
+    #: Requests this step finished with an error (``Request.error``); their tokens were not computed.
+    num_failed: int = 0
 
 
 class Engine:
@@ -349,7 +436,8 @@ class Engine:
         graph_runner: a ``vattn.CUDAGraphRunner`` (``runner(input_ids, positions, common)``); when
             given it replaces ``forward_fn``: it pads the batch, builds the metadata and sets the
             forward context itself.
-        pad_tokens_to: pad each step's token count up to a multiple of this (padding has slot -1).
+        pad_tokens_to: pad each step's token count up to a multiple of this (an integer >= 1;
+            padding has slot -1).
         record_logits: keep every sampled row of logits (on CPU) in ``self.logits[req_id]`` (tests).
         token_sync: called on each step's sampled tokens ((N,) int64 on ``device``) before they
             reach the scheduler; returns the tokens to use. Tensor parallelism passes
@@ -358,6 +446,10 @@ class Engine:
             diverge (not even on a near-tie or with temperature sampling).
         async_scheduling: prepare and launch each step before the previous one's tokens reach
             the host (see the module docstring); False syncs on every step's tokens.
+
+    Requests are checked where they arrive (``add_request``): integer token ids inside the
+    model's vocabulary, ``SamplingParams`` checked by itself. A request that still makes a step
+    raise is finished with that error (``Request.error``) and the others go on (``step``).
     """
 
     def __init__(self, model: torch.nn.Module, vattn_config: vattn.VattnConfig, kv: "vattn.PagedKVCache", *,
@@ -372,6 +464,10 @@ class Engine:
         self.device = torch.device(device)
         self.forward_fn = forward_fn if forward_fn is not None else model
         self.graph_runner = graph_runner
+        if isinstance(pad_tokens_to, bool) or not isinstance(pad_tokens_to, int) or pad_tokens_to < 1:
+            raise (ValueError if isinstance(pad_tokens_to, int) and not isinstance(pad_tokens_to, bool) else TypeError)(
+                f"Engine: pad_tokens_to must be an integer >= 1 (each step's token count is padded up to a "
+                f"multiple of it), got {pad_tokens_to!r}; pass 1 for no padding.")
         if graph_runner is not None and pad_tokens_to != 1:
             raise ValueError("with graph_runner, leave pad_tokens_to at 1: the runner pads.")
         self.block_size = kv.block_size
@@ -396,9 +492,30 @@ class Engine:
         self._head_graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self._head_pool = None
 
-    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
-                    arrival_step: int = 0) -> Request:
-        req = Request(self._next_id, list(prompt_token_ids), sampling or SamplingParams(), arrival_step)
+    def add_request(self, prompt_token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                    sampling: SamplingParams | None = None, arrival_step: int = 0) -> Request:
+        """Queue a request; returns it (its ``output_token_ids`` fill as steps run).
+
+        Args:
+            prompt_token_ids: a non-empty sequence of integer token ids in ``[0, vocab_size)``
+                (the model's ``config.vocab_size``): a list, or a 1-D integer numpy array or tensor.
+                Floats and bools are refused, not converted.
+            sampling: ``SamplingParams`` (default: greedy, 16 tokens); ``max_tokens=0`` finishes
+                the request at once, with no outputs.
+            arrival_step: the first step that may schedule it (an integer >= 0).
+
+        Raises ``TypeError`` / ``ValueError`` naming the argument, before anything is queued.
+        """
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"add_request: sampling must be a SamplingParams (or None for greedy, 16 tokens), got "
+                            f"{type(sampling).__name__}; pass SamplingParams(max_tokens=..., temperature=..., "
+                            "top_p=...).")
+        if isinstance(arrival_step, bool) or not isinstance(arrival_step, numbers.Integral) or arrival_step < 0:
+            raise ValueError(f"add_request: arrival_step must be an integer >= 0 (the first step that may run the "
+                             f"request), got {arrival_step!r}.")
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        ids = _prompt_ids(prompt_token_ids, vocab if isinstance(vocab, int) else None)
+        req = Request(self._next_id, ids, sampling or SamplingParams(), int(arrival_step))
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         total = len(req.prompt_token_ids) + req.sampling.max_tokens
         if isinstance(limit, int) and total > limit:
@@ -465,6 +582,13 @@ class Engine:
 
         With async scheduling this returns once the step is launched: the tokens it samples are
         ``PENDING`` in ``Request.output_token_ids`` until the next step (or ``flush``) writes them.
+
+        If preparing, running or sampling the step raises, the step advances no request; the
+        requests that make it raise on their own are found by running parts of the batch again
+        (``_isolate``) and finished with their error (``Request.error``, blocks freed, logged);
+        the others run again in the next step. The common path pays nothing for this (one
+        ``try`` around the step). An error no single request causes is raised again, with the
+        engine consistent (nothing advanced).
         """
         start = time.perf_counter()
         scheduled = self.scheduler.schedule(self.step_count)
@@ -476,6 +600,33 @@ class Engine:
             return StepStats(0, 0, 0, 0.0)
         # A decode computes one generated token; everything else is (chunked) prefill or recompute.
         decode = sum(1 for r, n in scheduled if n == 1 and r.num_computed_tokens >= len(r.prompt_token_ids))
+        try:
+            sampled, samplers = self._launch(scheduled)
+        except Exception as error:  # noqa: BLE001  (attributed to requests by _isolate, else raised)
+            failed = self._isolate(scheduled, error)
+            if failed is None:
+                raise
+            if self.check_invariants:
+                self.allocator.check(self.scheduler.running)
+            return StepStats(0, 0, 0, time.perf_counter() - start, num_failed=len(failed))
+        host, done = self._send_to_host(sampled)
+        self.scheduler.update(scheduled, {r.req_id: PENDING for r in samplers})
+        flight = _InFlight(sampled, host, done, rows={r.req_id: i for i, r in enumerate(samplers)},
+                           owners=[(r, len(r.output_token_ids) - 1) for r in samplers])
+        self.flush()  # the previous step's tokens: done before this step's kernels started
+        self._inflight = flight
+        if not self.async_scheduling:
+            self.flush()  # this step's tokens (waits for its kernels)
+        if self.check_invariants:
+            self.allocator.check(self.scheduler.running)
+        return StepStats(sum(n for _, n in scheduled) - decode, decode, len(samplers),
+                         time.perf_counter() - start)
+
+    def _launch(self, scheduled: list[tuple[Request, int]], trial: bool = False
+                ) -> tuple[torch.Tensor, list[Request]]:
+        """Prepare, run and sample ``scheduled``: ((S,) int64 sampled tokens on the device, the S
+        requests that sample, in row order). Changes no request; a ``trial`` (``_isolate``)
+        records no logits."""
         input_ids, positions, common, rows = self._prepare(scheduled)
         if self.graph_runner is not None:
             hidden = self.graph_runner(input_ids, positions, common)
@@ -492,24 +643,44 @@ class Engine:
             sampled = self._greedy_from_graph(hidden)
         if sampled is None:
             logits = self.model.compute_logits(hidden[rows])
-            if self.record_logits:
+            sampled = sample(logits, temp, top_p, self.generator)
+            if self.record_logits and not trial:
                 for r, row in zip(samplers, logits.float().cpu()):
                     self.logits.setdefault(r.req_id, []).append(row)
-            sampled = sample(logits, temp, top_p, self.generator)
         if self.token_sync is not None:
             sampled = self.token_sync(sampled)
-        host, done = self._send_to_host(sampled)
-        self.scheduler.update(scheduled, {r.req_id: PENDING for r in samplers})
-        flight = _InFlight(sampled, host, done, rows={r.req_id: i for i, r in enumerate(samplers)},
-                           owners=[(r, len(r.output_token_ids) - 1) for r in samplers])
-        self.flush()  # the previous step's tokens: done before this step's kernels started
-        self._inflight = flight
-        if not self.async_scheduling:
-            self.flush()  # this step's tokens (waits for its kernels)
-        if self.check_invariants:
-            self.allocator.check(self.scheduler.running)
-        return StepStats(sum(n for _, n in scheduled) - decode, decode, len(samplers),
-                         time.perf_counter() - start)
+        return sampled, samplers
+
+    def _isolate(self, scheduled: list[tuple[Request, int]], error: Exception) -> list[Request] | None:
+        """The requests of a step that raised ``error`` which make it raise on their own, each
+        finished with its error (``Scheduler.fail``); None if there is none (only the whole batch
+        fails). Bisects: each half that raises is split again, down to single requests, so one
+        culprit among S requests costs about 2 log2(S) trial launches. Trials write K/V only at
+        their requests' own new slots, which the step that computes those tokens writes again;
+        their samples are dropped (with temperature they still draw from the engine's generator)."""
+        culprits: list[tuple[Request, Exception]] = []
+
+        def search(part: list[tuple[Request, int]], err: Exception) -> None:
+            if len(part) == 1:
+                culprits.append((part[0][0], err))
+                return
+            half = len(part) // 2
+            for sub in (part[:half], part[half:]):
+                try:
+                    self._launch(sub, trial=True)
+                except Exception as e:  # noqa: BLE001
+                    search(sub, e)
+
+        search(scheduled, error)
+        if not culprits:
+            logger.error("step %d failed and no single request makes it fail (%d scheduled); nothing advanced.",
+                         self.step_count - 1, len(scheduled))
+            return None
+        for req, err in culprits:
+            logger.warning("request %d is finished with an error raised in step %d (%d others scheduled go on): "
+                           "%s: %s", req.req_id, self.step_count - 1, len(scheduled) - 1, type(err).__name__, err)
+            self.scheduler.fail(req, err)
+        return [r for r, _ in culprits]
 
     def _greedy_from_graph(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of a one-row ``hidden`` ((1,) int64), replayed from a CUDA graph of
@@ -535,9 +706,8 @@ class Engine:
         if entry is None:
             if self._head_pool is None:
                 self._head_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._head_pool):
-                tokens = greedy(self.model.compute_logits(hidden))
+            # vattn's capture: the graph's GEMM gets a cuBLAS workspace of its own pool.
+            graph, tokens = capture_graph(lambda: greedy(self.model.compute_logits(hidden)), self._head_pool)
             entry = self._head_graphs[key] = (graph, tokens)
         graph, tokens = entry
         graph.replay()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -151,6 +152,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}.")
+    for flag, least in (("num_requests", 1), ("prompt_len", 1), ("output_len", 0), ("max_num_batched_tokens", 1),
+                        ("max_num_seqs", 1), ("block_size", 1), ("num_blocks", 1), ("arrival_every", 0),
+                        ("threads", 1)):
+        value = getattr(args, flag)
+        if value is not None and value < least:
+            what = {"prompt_len": " (a prompt needs a token)", "output_len": " (0: requests finish with no output)"}
+            p.error(f"--{flag.replace('_', '-')} must be at least {least}{what.get(flag, '')}, got {value}.")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}.")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}; 1 samples from the whole distribution.")
     if args.hf is not None and args.tp != 1:
         p.error("--hf runs on one device; tensor parallelism (--tp) is for the example model's presets.")
     if args.prompt and args.hf is None:
@@ -165,8 +177,8 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     """Seeded random (prompt, sampling, arrival_step) triples."""
     g = torch.Generator().manual_seed(args.seed)
 
-    def length(hi: int) -> int:
-        return hi if args.fixed_lengths else int(torch.randint(max(1, hi // 2), hi + 1, (1,), generator=g))
+    def length(hi: int) -> int:  # in [hi/2, hi], at least 1 unless hi is 0 (--output-len 0)
+        return hi if args.fixed_lengths or hi == 0 else int(torch.randint(max(1, hi // 2), hi + 1, (1,), generator=g))
 
     out = []
     for i in range(args.num_requests):

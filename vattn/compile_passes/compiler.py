@@ -33,6 +33,7 @@ from vattn import envs
 from vattn.compile_passes import aot_cache
 from vattn.compile_passes.backend import VattnBackend
 from vattn.compile_passes.dispatch import DirectDispatch
+from vattn.compile_passes.pass_manager import get_pass_class
 from vattn.config import VattnConfig, get_current_vattn_config
 
 __all__ = ["VattnCompiledModel", "compile"]
@@ -99,7 +100,7 @@ class VattnCompiledModel(nn.Module):
             v = bound.get(name)
             if isinstance(v, torch.Tensor):
                 for d in [dims] if isinstance(dims, int) else dims:
-                    mark(v, d % v.dim())
+                    mark(v, _dim(name, d, v))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         fn, key = (None, None)
@@ -174,7 +175,7 @@ class VattnCompiledModel(nn.Module):
         if self._dims is None:
             return (0,)
         dims = self._dims.get(name, ())
-        return tuple(d % v.dim() for d in ([dims] if isinstance(dims, int) else dims))
+        return tuple(_dim(name, d, v) for d in ([dims] if isinstance(dims, int) else dims))
 
 
 def compile(  # noqa: A001  (mirrors torch.compile)
@@ -214,4 +215,63 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     config = config if config is not None else get_current_vattn_config()
     if not isinstance(config, VattnConfig):
         raise TypeError(f"vattn.compile: config must be a vattn.VattnConfig, got {type(config).__name__}.")
+    _check_compilation(config)
+    _check_dynamic_arg_dims(model, dynamic_arg_dims)
     return VattnCompiledModel(model, config, dynamic=dynamic, dynamic_arg_dims=dynamic_arg_dims)
+
+
+def _check_compilation(config: VattnConfig) -> None:
+    """Refuse, before anything is traced, ``CompilationConfig`` values the first call would fail
+    on deep inside Dynamo / Inductor (or silently misread, such as a string of op names)."""
+    comp = config.compilation
+    where = "vattn.compile: CompilationConfig"
+    for name in ("splitting_ops", "passes"):
+        value = getattr(comp, name)
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"{where}.{name} must be a tuple of names, got {value!r}"
+                            + (f"; write ({value!r},) for one." if isinstance(value, str) else "."))
+    for name in comp.passes:
+        get_pass_class(name)  # ValueError naming the known passes
+    for name in ("use_inductor", "merge_packed_linears"):
+        if not isinstance(getattr(comp, name), bool):
+            raise TypeError(f"{where}.{name} must be True or False, got {getattr(comp, name)!r}.")
+    for name in ("debug_dump_path", "cache_dir"):
+        value = getattr(comp, name)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"{where}.{name} must be a directory path (str) or None, got {value!r}.")
+    if comp.inductor_compile_config:
+        import torch._inductor.config as inductor_config  # vattn.compile runs Inductor anyway
+
+        known = inductor_config.get_config_copy()
+        unknown = sorted(k for k in comp.inductor_compile_config if k not in known)
+        if unknown:
+            raise ValueError(f"{where}.inductor_compile_config has names torch._inductor.config does not know: "
+                             f"{unknown}; use its option names, e.g. 'max_autotune' or 'triton.enable_pdl'.")
+
+
+def _check_dynamic_arg_dims(model: nn.Module, dims: Mapping[str, int | Sequence[int]] | None) -> None:
+    """``dynamic_arg_dims`` names parameters of ``model.forward`` and gives int dims (their range
+    is checked against each tensor when it is marked)."""
+    if dims is None:
+        return
+    if not isinstance(dims, Mapping):
+        raise TypeError(f"vattn.compile: dynamic_arg_dims must map forward-argument names to dims, e.g. "
+                        f"{{'input_ids': 0, 'positions': -1}}; got {dims!r}.")
+    params = inspect.signature(model.forward).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name, d in dims.items():
+        if name not in params and not takes_kwargs:
+            raise ValueError(f"vattn.compile: dynamic_arg_dims names {name!r}, which {type(model).__name__}.forward "
+                             f"does not take; its arguments: {list(params)}.")
+        ds = [d] if isinstance(d, int) else d
+        if not isinstance(ds, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ds):
+            raise TypeError(f"vattn.compile: dynamic_arg_dims[{name!r}] must be a dim (int) or a tuple of dims, "
+                            f"got {d!r}.")
+
+
+def _dim(name: str, d: int, v: torch.Tensor) -> int:
+    """Dim ``d`` of argument ``name`` made non-negative, or a ``ValueError`` if ``v`` has no such dim."""
+    if not -v.dim() <= d < v.dim():
+        raise ValueError(f"vattn.compile: dynamic_arg_dims[{name!r}] = {d}, but {name} has shape "
+                         f"{tuple(v.shape)} (dims {-v.dim()} to {v.dim() - 1}); give the token dimension's index.")
+    return d % v.dim()

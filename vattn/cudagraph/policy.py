@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Sequence
+import logging
+import numbers
+from typing import Iterable, Sequence
 
 import torch
 
@@ -30,6 +32,7 @@ __all__ = [
     "resolve_cudagraph_mode",
 ]
 
+logger = logging.getLogger("vattn.cudagraph")
 M = CUDAGraphMode
 #: Runner modes that capture full graphs (for some batches at least).
 FULL_MODES = (M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE)
@@ -53,19 +56,64 @@ def resolve_capture_sizes(
     config: VattnConfig, max_batch_size: int | None = None, capture_sizes: Sequence[int] | None = None
 ) -> tuple[int, ...]:
     """Ascending capture sizes: explicit ``capture_sizes``, else 1, 2, 4, 8, 16, ... up to
-    ``max_batch_size`` (which is added when not a multiple of 8), else the config's."""
+    ``max_batch_size`` (which is added when not a multiple of 8), else the config's
+    (``CompilationConfig.cudagraph_capture_sizes`` / ``max_capture_size``).
+
+    Sizes above ``max_batch_size`` are dropped with a warning; none left is a ``ValueError``
+    (the runner would capture nothing), as are sizes that are not positive integers.
+    """
+    if max_batch_size is not None and not _positive_int(max_batch_size):
+        raise (TypeError if not isinstance(max_batch_size, numbers.Integral) else ValueError)(
+            f"CUDAGraphRunner: max_batch_size must be a positive int (the largest padded token count to "
+            f"capture), got {max_batch_size!r}; leave it out for the config's sizes."
+        )
     if capture_sizes is not None:
-        sizes = sorted({int(s) for s in capture_sizes})
-        if not sizes or sizes[0] <= 0:
-            raise ValueError(f"capture_sizes must be positive ints, got {list(capture_sizes)}.")
+        sizes = _check_sizes("CUDAGraphRunner: capture_sizes", capture_sizes)
         if max_batch_size is not None:
-            sizes = [s for s in sizes if s <= max_batch_size]
+            kept = [s for s in sizes if s <= max_batch_size]
+            if not kept:
+                raise ValueError(
+                    f"CUDAGraphRunner: every capture size {sizes} is above max_batch_size={max_batch_size}, so "
+                    f"nothing would be captured; pass capture_sizes up to {max_batch_size} (e.g. "
+                    f"{list(_default_capture_sizes(max_batch_size))[:4]}), or raise max_batch_size to "
+                    f"{sizes[-1]}, or leave one of them out."
+                )
+            if len(kept) < len(sizes):
+                logger.warning(
+                    "CUDAGraphRunner: capture_sizes %s are above max_batch_size=%d and are not captured "
+                    "(batches that large run without a graph); capturing %s.",
+                    sizes[len(kept):], max_batch_size, kept,
+                )
+            sizes = kept
         return tuple(sizes)
     if max_batch_size is None:
-        return config.compilation.capture_sizes()
-    if max_batch_size <= 0:
-        raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}.")
+        comp = config.compilation
+        if comp.cudagraph_capture_sizes is not None:
+            return _check_sizes("CompilationConfig.cudagraph_capture_sizes", comp.cudagraph_capture_sizes)
+        if not _positive_int(comp.max_capture_size):
+            raise ValueError(
+                f"CompilationConfig.max_capture_size must be a positive int (the largest token count to "
+                f"capture), got {comp.max_capture_size!r}; or give cudagraph_capture_sizes."
+            )
+        return comp.capture_sizes()
+    max_batch_size = int(max_batch_size)
     return tuple(sorted({*_default_capture_sizes(max_batch_size), max_batch_size}))
+
+
+def _positive_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x > 0
+
+
+def _check_sizes(name: str, sizes: object) -> tuple[int, ...]:
+    """``sizes`` sorted and deduplicated, or an error naming ``name`` unless they are positive ints
+    (a float such as 1.5 is refused, not rounded)."""
+    items = list(sizes) if isinstance(sizes, Iterable) and not isinstance(sizes, (str, bytes)) else None
+    if not items or not all(_positive_int(s) for s in items):
+        integers = items is not None and all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in items)
+        raise (ValueError if integers else TypeError)(
+            f"{name} must be a non-empty sequence of positive int token counts, e.g. [1, 2, 4, 8]; got {sizes!r}."
+        )
+    return tuple(sorted({int(s) for s in items}))
 
 
 def bucket_size(num_tokens: int, sizes: Sequence[int]) -> int | None:

@@ -34,6 +34,7 @@ from vattn.cudagraph.policy import (
     resolve_cudagraph_mode,
 )
 from vattn.forward_context import set_forward_context
+from vattn.kv_cache import PagedKVCache
 
 __all__ = ["CUDAGraphRunner"]
 
@@ -102,7 +103,8 @@ class CUDAGraphRunner:
         inputs: one ``vattn.GraphInput`` per tensor argument of ``model`` (dtype, non-token
             shape, token dimension); default ``(input_ids (T,) int64, positions (T,) int64)``.
         max_batch_size: the largest padded token count to capture (default: the config's).
-        capture_sizes: explicit sizes (tokens); default 1, 2, 4, 8, 16, ... up to the max.
+        capture_sizes: explicit sizes (tokens); default 1, 2, 4, 8, 16, ... up to the max. Sizes
+            above ``max_batch_size`` are dropped with a warning; if none is left, ``ValueError``.
         mode: default ``config.compilation.cudagraph_mode``.
         max_model_len: longest sequence, sets the capture block-table width
             (default: ``kv_cache.num_blocks * block_size``).
@@ -136,6 +138,18 @@ class CUDAGraphRunner:
         requested = config.compilation.cudagraph_mode if mode is None else mode
         if not isinstance(requested, CUDAGraphMode):
             raise TypeError(f"CUDAGraphRunner: mode must be a vattn.CUDAGraphMode, got {requested!r}.")
+        if not isinstance(kv_cache, PagedKVCache):
+            raise TypeError(
+                f"CUDAGraphRunner: kv_cache must be the vattn.PagedKVCache bound to the model's layers "
+                f"(vattn.allocate_kv_cache(cfg, ...)), got {type(kv_cache).__name__}."
+            )
+        if max_model_len is not None and (
+            isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1
+        ):
+            raise ValueError(
+                f"CUDAGraphRunner: max_model_len must be a positive int (the longest sequence, in tokens), got "
+                f"{max_model_len!r}; leave it out for the cache's num_blocks * block_size."
+            )
         self.inputs = resolve_inputs(inputs)
         self.model, self.config, self.kv = model, config, kv_cache
         self.sizes = resolve_capture_sizes(config, max_batch_size, capture_sizes)
