@@ -47,6 +47,8 @@ HALF = LORA // 2
 # The TMA load's name changed across the Triton versions vattn supports (3.6:
 # ``async_copy_global_to_shared``, later ``async_load``).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# A barrier of the calling warpgroup's threads (``thread_barrier`` in Triton 3.6, ``barrier`` later).
+_sync_warpgroup = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # The sizes as constexpr globals, which Gluon functions may read.
 _BLOCK_H_C = gl.constexpr(BLOCK_H)
@@ -182,11 +184,13 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         s = _scores(q_l, q_r, q_p, l0, r0, e0, bars, 0, phase, n0, end, sm_scale_log2, 4)
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).store(m0)
+        _sync_warpgroup()  # every thread's shared stores / reads done before one thread arrives
         mbarrier.arrive(bars.index(_M0_C), count=1)
         alpha = gl.exp2(m_i - m0)
         p = gl.exp2(s - m0[:, None]).to(dtype)
         e0.store(p)  # P0 for warpgroup 1, in the RoPE columns S0 has read
         fence_async_shared()
+        _sync_warpgroup()
         mbarrier.arrive(bars.index(_P0_C), count=1)
         l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
@@ -210,6 +214,7 @@ def _warpgroup0(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
             _issue(desc_c, l1, bars.index(3), blk3, n0 + 3 * _BLOCK_N_C, 0, PAGE)
             _issue(desc_e, e1, bars.index(5), blk3, n0 + 3 * _BLOCK_N_C, _LORA_C, PAGE)
     stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
+    _sync_warpgroup()
     mbarrier.arrive(bars.index(_L0_C), count=1)
     mbarrier.wait(bars.index(_L1_C), 0)
     l_other = stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
@@ -237,10 +242,12 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
         m0 = stats.slice(0 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
         m1 = gl.maximum(m0, gl.max(s, axis=1))
         stats.slice(1 * _BLOCK_H_C, _BLOCK_H_C).store(m1)
+        _sync_warpgroup()
         mbarrier.arrive(bars.index(_S1_C), count=1)
         p = gl.exp2(s - m1[:, None]).to(dtype)
         e1.store(p)  # P1 for warpgroup 0, in the RoPE columns S1 has read
         fence_async_shared()
+        _sync_warpgroup()
         mbarrier.arrive(bars.index(_P1_C), count=1)
         l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p.to(gl.float32), axis=1)
         # O_R = (O_R 2^(m - m0) + P0 V0_R) 2^(m0 - m1) + P1 V1_R: P0 as warpgroup 0 wrote it
@@ -261,6 +268,7 @@ def _warpgroup1(ql, qr, qp, cl, cr, ce, stats, bars, desc_c, desc_e, bt_row, sta
             if 2 * j + 3 < n_tiles:  # V1_R read: the next pair's second tile, right half
                 _issue(desc_c, r1, bars.index(4), blk3, n1 + 2 * _BLOCK_N_C, _HALF_C, PAGE)
     stats.slice(3 * _BLOCK_H_C, _BLOCK_H_C).store(l_i)
+    _sync_warpgroup()
     mbarrier.arrive(bars.index(_L1_C), count=1)
     mbarrier.wait(bars.index(_L0_C), 0)
     l_other = stats.slice(2 * _BLOCK_H_C, _BLOCK_H_C).load(_ROWS)
