@@ -126,6 +126,33 @@ def test_triton_mla_split_counts_agree() -> None:
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
+def test_triton_mla_decode_propagates_nan() -> None:
+    """A NaN query head, or a NaN in a request's cached k_pe, gives NaN for exactly what it touches
+    with every split count (the split merge once dropped a NaN split as an empty one: zeros)."""
+    spec = MLASpec(context_lens=(3, 70, 0, 33), query_lens=(1, 1, 1, 1), device=DEV)
+    batch = make_mla_batch(spec, seed=6)
+    md = _builder(spec).build(0, batch.common)
+    launch = OPS["vattn.backends.mla.triton_mla.launch"]
+    d = md.decode
+    assert d is not None
+    q_nope = torch.randn(4, spec.num_heads, spec.kv_lora_rank, device=DEV)
+    q_pe = torch.randn(4, spec.num_heads, spec.qk_rope_head_dim, device=DEV)
+    q_nope[0, 1, 3] = float("nan")  # request 0, head 1
+    cache = batch.kv_cache.clone()
+    block, offset = divmod(int(batch.common.slot_mapping[1]), cache.shape[1])
+    cache[block, offset, spec.kv_lora_rank] = float("nan")  # request 1's new token: its k_pe
+    for splits in (1, 2, 8):
+        out = torch.empty_like(q_nope)
+        launch.mla_decode(q_nope, q_pe, cache, out, query_start_loc=d.query_start_loc, seq_lens=d.seq_lens,
+                          block_table=d.block_table, softmax_scale=0.3, kv_lora_rank=spec.kv_lora_rank,
+                          num_splits=splits)
+        nan = out.isnan().any(-1)  # (rows, heads)
+        want = torch.zeros_like(nan)
+        want[0, 1] = True
+        want[1, :] = True
+        assert torch.equal(nan, want), f"{splits} splits: NaN rows/heads {nan.nonzero().tolist()}"
+
+
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_triton_mla_decode_tiles_agree(block_size: int) -> None:
     """Every tile shape (16 to 64 heads a program, key tiles inside one page or across pages)

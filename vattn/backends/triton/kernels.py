@@ -522,7 +522,8 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + p_own[:, None] * v_own.to(tl.float32)[None, :]
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    has = l_i != 0.0  # no key: 0; NaN (a NaN query or key) stays NaN through the split merge
+    l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(v_scale_ptr)
@@ -530,7 +531,7 @@ def _unified_attention_kernel(
         row = (split * num_tokens + tok_g) * NUM_Q_HEADS + head
         tl.store(part_o_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o,
                  mask=row_ok[:, None])
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
     else:
         if OUT_FP8:

@@ -106,7 +106,7 @@ def _mla_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(compute), c)
         m_i = m_new
 
-    has = l_i > 0.0
+    has = l_i != 0.0  # no key: 0; NaN (a NaN query or key) stays NaN through the split merge
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_od,
@@ -210,7 +210,7 @@ def _mla_prefill_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(compute), vv)
         m_i = m_new
-    has = l_i > 0.0
+    has = l_i != 0.0  # no key: 0; NaN (a NaN query or key) stays NaN through the split merge
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_v[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_v < V)[None, :])

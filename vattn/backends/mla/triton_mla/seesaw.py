@@ -128,7 +128,7 @@ def _finish(acc, m_i, l_i, l_other, col0: gl.constexpr, write_lse: gl.constexpr,
     The split count is read from the grid: Triton 3.6 passes the partitions' constexpr arguments
     as constants, and a branch on one leaves a dead block its LLVM lowering cannot analyze."""
     l = l_i + l_other
-    has = l > 0.0
+    has = l != 0.0  # no key: 0; NaN stays NaN through the split merge
     l_o = gl.convert_layout(gl.where(has, l, 1.0), gl.SliceLayout(1, _O_LAYOUT))
     o = acc / l_o[:, None]
     offs_h = hg * _BLOCK_H_C + gl.arange(0, _BLOCK_H_C, layout=gl.SliceLayout(1, _O_LAYOUT))

@@ -160,7 +160,7 @@ def _mla_decode_wgmma_kernel(
         _cta_barrier()  # every warp is done with this buffer before the next iteration refills it
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    has = l_o > 0.0
+    has = l_o != 0.0  # no key: 0; NaN stays NaN through the split merge
     o = acc / gl.where(has, l_o, 1.0)[:, None]
     offs_ho = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
     offs_lo = gl.arange(0, LORA, layout=gl.SliceLayout(0, o_layout))
