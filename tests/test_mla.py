@@ -621,3 +621,49 @@ def test_bench_mla_cpu_smoke(tmp_path) -> None:
     assert set(data["summary"]["skipped"]) == {"FLASHINFER_MLA", "FLASH_ATTN_MLA"}
     assert {r["impl"] for r in data["rows"] if "impl" in r} == {"vattn-eager", "hf-eager"}
     assert all("error" not in r for r in data["rows"]) and (tmp_path / data["plots"][0]).exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHINFER_MLA"])
+@pytest.mark.parametrize("bad", ["block_past_cache", "slot_past_cache", "seq_lens_past_table"])
+def test_device_metadata_never_faults(backend: str, bad: str) -> None:
+    """Hand-built device metadata with a block id or slot past the cache, or a sequence longer than
+    its table (host mirrors valid, so no host check sees it): the latent store skips the slot,
+    the builder clamps the table, nothing outside the cache is read or written."""
+    cls = vattn.AttentionBackendEnum[backend].get_class()
+    ok, why = cls.is_available()
+    if not ok:
+        pytest.skip(why)
+    lora, rope, nope, v, heads, bs = 512, 64, 128, 128, 16, 64
+    cfg = VattnConfig(cache=vattn.CacheConfig(block_size=bs))
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    with vattn.set_current_vattn_config(cfg), torch.device(dev):
+        kv_b = nn.Linear(lora, heads * (nope + v), bias=False, dtype=dt)
+        layer = MLAAttention(heads, (nope + rope) ** -0.5, nope, rope, v, None, lora, kv_b, prefix="g.mla",
+                             attn_backend=cls).to(dt)
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=4, device=dev, dtype=dt)
+    cache = kv.tensors["g.mla"]
+    cache.normal_()
+    before = cache.clone()
+    t32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    table, slots, seq = [[0], [1]], [7, bs + 4], [8, 5]
+    if bad == "block_past_cache":
+        table = [[0], [1 << 20]]
+    if bad == "slot_past_cache":
+        slots = [7, 1 << 40]
+    seq_dev = t32([8, 1 << 20] if bad == "seq_lens_past_table" else seq)
+    cm = vattn.CommonAttentionMetadata(
+        query_start_loc=t32([0, 1, 2]).to(dev), query_start_loc_cpu=t32([0, 1, 2]), seq_lens=seq_dev.to(dev),
+        seq_lens_cpu=t32(seq), num_computed_tokens_cpu=t32([7, 4]), num_reqs=2, num_actual_tokens=2,
+        max_query_len=1, max_seq_len=8, block_table_tensor=t32(table).to(dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+    q = torch.randn(2, heads * (nope + rope), device=dev, dtype=dt)
+    with vattn.set_forward_context(kv.build_metadata(cm), cfg), torch.no_grad():
+        out = layer(q, torch.randn(2, lora, device=dev, dtype=dt), torch.randn(2, rope, device=dev, dtype=dt))
+    torch.cuda.synchronize()
+    assert out[0].isfinite().all()
+    written = torch.zeros(cache.shape[:2], dtype=torch.bool, device=dev)
+    written[0, 7] = True
+    if bad != "slot_past_cache":
+        written[1, 4] = True
+    assert torch.equal(cache[~written].view(torch.int16), before[~written].view(torch.int16))

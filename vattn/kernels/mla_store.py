@@ -20,16 +20,18 @@ __all__ = ["triton_store_latent"]
 
 @triton.jit
 def _store_latent_kernel(
-    kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, scale_ptr,
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, scale_ptr, num_slots,
     stride_ct, stride_cd, stride_pt, stride_pd,
     stride_cb, stride_cs, stride_cw,
     LORA: tl.constexpr, LORA_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_ROUND_FIX: tl.constexpr,
 ):
-    """One program per token: copies its ``kv_c`` and ``k_pe`` into one cache row."""
+    """One program per token: copies its ``kv_c`` and ``k_pe`` into one cache row. Slots outside
+    ``[0, num_slots)`` are skipped: padding (< 0), or a hand-built slot mapping past the cache,
+    which must not fault the GPU (``VATTN_DEBUG_CHECKS=1`` rejects it)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     row = cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
     ty = cache_ptr.dtype.element_ty
@@ -55,7 +57,7 @@ def triton_store_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Ten
     | kv_c | (T, L) | any strides |
     | k_pe | (T, R) | any strides |
     | cache | (num_blocks, block_size, L + R) | fp16 / bf16 / fp32, or fp8 (stores ``x / scale``) |
-    | slot_mapping | (T',) int64 (int32 accepted) | ``< 0``: skip the token; the first ``min(T, T')`` count |
+    | slot_mapping | (T',) int64 (int32 accepted) | ``< 0`` or past the cache: skip the token; the first ``min(T, T')`` count |
     | scale | 0-dim float32 | read on the device, fp8 caches only |
     """
     num_tokens = min(kv_c.shape[0], slot_mapping.shape[0])
@@ -64,7 +66,7 @@ def triton_store_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Ten
     lora, rope = kv_c.shape[1], k_pe.shape[1]
     fp8 = cache.dtype in FP8_DTYPES
     _STORE_LATENT[(num_tokens,)](
-        kv_c, k_pe, cache, slot_mapping, scale if fp8 else kv_c,
+        kv_c, k_pe, cache, slot_mapping, scale if fp8 else kv_c, cache.shape[0] * cache.shape[1],
         *kv_c.stride(), *k_pe.stride(), *cache.stride(),
         LORA=lora, LORA_PAD=next_power_of_2(lora), ROPE=rope, ROPE_PAD=next_power_of_2(rope),
         PAGE_SIZE=cache.shape[1], FP8=fp8, FP8_MAX=float(torch.finfo(cache.dtype).max) if fp8 else 0.0,

@@ -224,6 +224,7 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata]):
 
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: ClassVar[int | None] = 1
+    cache_blocks_dim: ClassVar[int] = 0  # (num_blocks, block_size, L + P)
     #: Bytes of up-projected context (keys and values of every head) one chunk may hold.
     PREFILL_CHUNK_BYTES: ClassVar[int] = 256 << 20
 
@@ -316,6 +317,9 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata]):
         else:
             qsl, seq_lens, block_table = cm.query_start_loc[: b + 1], cm.seq_lens[:b], cm.block_table_tensor[:b]
             slots = cm.slot_mapping
+        limit = self.unchecked_block_limit(cm)
+        if limit is not None:  # a device table never seen on the host: keep every read inside the cache
+            block_table, seq_lens = self._bounded(block_table, seq_lens, limit, in_place=graph)
         decode = None
         if nd:
             qsl_cpu = cm.query_start_loc_cpu
@@ -324,15 +328,25 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata]):
                 num_decodes=nd, num_decode_tokens=int(qsl_cpu[nd] - qsl_cpu[0]),
                 max_seq_len=int(cm.seq_lens_cpu[:nd].max()), cuda_graph=graph)
             self._decode_extras(decode, cm)
-        prefill = self._build_prefill(cm, nd) if np_ else None
+        prefill = self._build_prefill(cm, nd, block_table) if np_ else None
         return MLACommonMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_reqs=b, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
             block_table=block_table, num_decodes=nd, num_decode_tokens=ndt, num_prefills=np_,
             num_prefill_tokens=npt, decode=decode, prefill=prefill)
 
-    def _build_prefill(self, cm: CommonAttentionMetadata, nd: int) -> MLAPrefillMetadata:
-        """Prefill rows and context chunks (host arithmetic; slots gathered on the device)."""
+    def _bounded(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
+                 in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids clamped into ``[0, num_blocks)`` and sequence lengths to what the table's
+        columns cover (device ops, no sync; ``in_place`` for the persistent CUDA-graph buffers)."""
+        cover = block_table.shape[1] * self.kv_cache_spec.block_size
+        if in_place:
+            return block_table.clamp_(0, num_blocks - 1), seq_lens.clamp_(0, cover)
+        return block_table.clamp(0, num_blocks - 1), seq_lens.clamp(0, cover)
+
+    def _build_prefill(self, cm: CommonAttentionMetadata, nd: int, block_table: torch.Tensor) -> MLAPrefillMetadata:
+        """Prefill rows and context chunks (host arithmetic; slots gathered on the device from
+        ``block_table``, the step's (B, W) table)."""
         b = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: b + 1].numpy().astype(np.int64)
         start = int(qsl[nd])
@@ -361,7 +375,7 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[MLACommonMetadata]):
         if with_ctx:
             req_t, pos_t = dev[-2], dev[-1]
             bs = self.kv_cache_spec.block_size
-            blocks = cm.block_table_tensor[req_t, pos_t // bs].long()
+            blocks = block_table[req_t, pos_t // bs].long()
             slots = blocks * bs + pos_t % bs
             offset = 0
             for (cu, n), cu_dev in zip(spans, dev[1:-2]):
