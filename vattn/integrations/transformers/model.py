@@ -25,6 +25,7 @@ from torch import nn
 
 import vattn
 from vattn.compile_passes.packed_linears import pack_linear_weights
+from vattn.integrations.transformers.inputs import check_hidden, check_step_inputs
 from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
 from vattn.integrations.transformers.norms import fuse_rms_norms
 from vattn.layer import Attention
@@ -106,9 +107,17 @@ class VattnCausalLM(nn.Module):
         self._logit_scale = getattr(text, "logit_scale", None)  # Cohere: logits * scale
         self._logits_scaling = getattr(text, "logits_scaling", None)  # Granite: logits / scaling
         self._softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3
+        embed = hf_model.get_input_embeddings() if hasattr(hf_model, "get_input_embeddings") else None
+        self._vocab_size: int | None = getattr(embed, "num_embeddings", None) or getattr(text, "vocab_size", None)
+        self._hidden_size: int | None = getattr(getattr(hf_model, head_name, None), "in_features", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states."""
+        """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states.
+
+        Eager calls check the inputs first (``inputs.py``: shapes and dtypes; ids and positions
+        that are on the host, against the vocabulary and the step's metadata)."""
+        if not torch.compiler.is_compiling():
+            check_step_inputs(input_ids, positions, self._vocab_size, _any_metadata())
         decoder = self.hf_model
         for name in self._decoder_path:
             decoder = getattr(decoder, name)
@@ -117,6 +126,8 @@ class VattnCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) logits in the model dtype, as the model's own forward computes them."""
+        if not torch.compiler.is_compiling():
+            check_hidden(hidden, self._hidden_size)
         logits = getattr(self.hf_model, self._head_name)(hidden)
         if self._logit_scale is not None:
             logits = logits * self._logit_scale
@@ -131,6 +142,16 @@ class VattnCausalLM(nn.Module):
     def attention_layers(self) -> dict[str, Attention]:
         """The ``vattn.Attention`` layers by layer name (``wrap``'s prefix + ``LayerSpec.prefix``), in model order."""
         return {m.layer_name: m for m in self.hf_model.modules() if isinstance(m, Attention)}
+
+
+def _any_metadata() -> Any:
+    """One layer's metadata of the current step (None outside a forward context or in a warm-up)."""
+    from vattn.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    return next(iter(md.values()), None) if isinstance(md, dict) else md
 
 
 def _decoder_path(model: nn.Module) -> tuple[str, ...] | None:
