@@ -73,3 +73,33 @@ def test_valid_step_runs(rig: Any) -> None:
 def test_compute_logits_refuses_the_wrong_hidden(rig: Any, hidden: Any, exc: type) -> None:
     with pytest.raises(exc, match="hidden"):
         rig[0].compute_logits(hidden)
+
+
+def test_generate_on_a_wrapped_model_says_what_to_use_instead(rig: Any) -> None:
+    hf = rig[0].hf_model
+    with pytest.raises(RuntimeError, match="generate\\(\\) does not run on a wrapped model yet"):
+        hf.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
+
+
+def _hf(kind: str) -> Any:
+    import transformers
+
+    if kind == "bert":
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64)
+        return transformers.BertForMaskedLM(cfg)
+    if kind == "t5":
+        cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2)
+        return transformers.T5ForConditionalGeneration(cfg)
+    cfg = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        num_local_experts=2)
+    return transformers.Llama4ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("kind,match", [("bert", "an encoder \\(bidirectional"), ("t5", "an encoder-decoder model"),
+                                        ("llama4", "chunked local attention")])
+def test_wrap_names_the_real_blocker(kind: str, match: str) -> None:
+    pytest.importorskip("transformers", minversion="4.51")
+    with pytest.raises(NotImplementedError, match=match):
+        vt.wrap(_hf(kind), vattn.VattnConfig())

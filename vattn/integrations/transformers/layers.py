@@ -106,9 +106,12 @@ def _layer_type(module: nn.Module, config: Any) -> str | None:
 def _check_supported(path: str, module: nn.Module, config: Any) -> None:
     """Raise ``UnsupportedAttentionError`` for what the adapter cannot run."""
     name = type(module).__name__
-    if getattr(module, "is_cross_attention", False) or "CrossAttention" in name or getattr(
-            config, "is_encoder_decoder", False):
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in name:
         raise _refuse(path, module, "cross-attention (encoder-decoder) is not supported by the vattn adapter; "
+                                    "it runs decoder-only causal LMs")
+    if getattr(config, "is_encoder_decoder", False):
+        raise _refuse(path, module, "an encoder-decoder model (its encoder attends both ways, its decoder reads "
+                                    "the encoder through cross-attention) is not supported by the vattn adapter; "
                                     "it runs decoder-only causal LMs")
     if any(hasattr(module, a) for a in _MLA_ATTRIBUTES) or getattr(config, "kv_lora_rank", None):
         raise _refuse(path, module, "multi-head latent attention (MLA) is not adapted yet; build the model "

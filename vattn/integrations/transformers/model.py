@@ -25,6 +25,7 @@ from torch import nn
 
 import vattn
 from vattn.compile_passes.packed_linears import pack_linear_weights
+from vattn.forward_context import is_forward_context_available
 from vattn.integrations.transformers.inputs import check_hidden, check_step_inputs
 from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
 from vattn.integrations.transformers.norms import fuse_rms_norms
@@ -56,6 +57,13 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     """
     layer = module._modules.get("attn")  # a submodule: not through nn.Module.__getattr__'s Python fallback
     if not torch.compiler.is_compiling():
+        if not is_forward_context_available():
+            raise RuntimeError(
+                f"{type(module).__name__}: the model runs its attention on vattn, which reads each step's batch "
+                "from vattn.set_forward_context; it was called without one (transformers' generate() or a plain "
+                "forward of the transformers model). generate() does not run on a wrapped model yet: generate "
+                "with examples/generate.py --hf DIR or examples.engine.Engine, or call the VattnCausalLM as "
+                "model(input_ids, positions) inside vattn.set_forward_context(kv.build_metadata(common), cfg).")
         if not isinstance(layer, Attention) or query.shape[0] != 1:
             raise ValueError(
                 f"{type(module).__name__}: attn_implementation='vattn' runs one flattened step (batch 1) through "
@@ -144,9 +152,27 @@ class VattnCausalLM(nn.Module):
         return {m.layer_name: m for m in self.hf_model.modules() if isinstance(m, Attention)}
 
 
+def _unsupported_model(model: nn.Module) -> str | None:
+    """What makes ``model`` a model the adapter cannot run, said plainly (None: nothing known)."""
+    config = getattr(model, "config", None)
+    text = _text_config(model) if config is not None else None
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        return ("an encoder-decoder model (its encoder attends both ways, its decoder reads the encoder through "
+                "cross-attention); vattn's adapter runs decoder-only causal LMs")
+    if getattr(text, "attention_chunk_size", None):
+        return (f"a model with chunked local attention (attention_chunk_size={text.attention_chunk_size}, "
+                "Llama-4's), which no vattn backend serves yet; vattn's adapter runs full and sliding-window "
+                "causal attention")
+    if "MaskedLM" in name or (getattr(config, "is_decoder", True) is False and "CausalLM" not in name):
+        return ("an encoder (bidirectional attention, masked-LM or task head); vattn's adapter runs decoder-only "
+                "causal LMs (*ForCausalLM)")
+    return None
+
+
 def _any_metadata() -> Any:
     """One layer's metadata of the current step (None outside a forward context or in a warm-up)."""
-    from vattn.forward_context import get_forward_context, is_forward_context_available
+    from vattn.forward_context import get_forward_context
 
     if not is_forward_context_available():
         return None
@@ -251,6 +277,9 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     head = get_head() if callable(get_head) else None
     head_name = next((n for n, m in model.named_children() if m is head), None)
     decoder_path = _decoder_path(model)
+    why = _unsupported_model(model)
+    if why is not None:
+        raise UnsupportedAttentionError(f"wrap: {type(model).__name__} is {why}.")
     if head is None or head_name is None or decoder_path is None:
         raise TypeError(f"wrap: expected a transformers causal LM (*ForCausalLM, with an LM head), got "
                         f"{type(model).__name__}; load it with transformers.AutoModelForCausalLM.")
