@@ -66,10 +66,10 @@ def test_soak_quick_on_cpu(tmp_path: Path) -> None:
     assert summary["soak_requests"] > 0 and summary["preemptions"] > 0  # a 10-block cache: preemption
 
 
-def test_survey_lists_100_cases_and_runs_one(tmp_path: Path) -> None:
+def test_survey_lists_its_cases_and_runs_one(tmp_path: Path) -> None:
     script = str(ROOT / "tools" / "bad_input_survey.py")
     listing = subprocess.run([sys.executable, script, "--list"], capture_output=True, text=True, check=True).stdout
-    assert listing.strip().splitlines()[-1] == "100 cases"
+    assert listing.strip().splitlines()[-1] == "110 cases"
     out = tmp_path / "survey.json"
     subprocess.run([sys.executable, script, str(out), "--only", "fewer_tokens,scale_nan", "-j", "2"],
                    capture_output=True, text=True, check=True, timeout=300)

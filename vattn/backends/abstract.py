@@ -25,18 +25,8 @@ if TYPE_CHECKING:
     from vattn.config import VattnConfig
     from vattn.layer import Attention
 
-__all__ = [
-    "AttentionBackend",
-    "AttentionCGSupport",
-    "AttentionImpl",
-    "AttentionLayerBase",
-    "AttentionMetadata",
-    "AttentionMetadataBuilder",
-    "AttentionSpec",
-    "AttentionType",
-    "CommonAttentionMetadata",
-    "is_fp8_kv_cache",
-]
+__all__ = ["AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionLayerBase", "AttentionMetadata",
+           "AttentionMetadataBuilder", "AttentionSpec", "AttentionType", "CommonAttentionMetadata", "is_fp8_kv_cache"]
 
 
 def is_fp8_kv_cache(kv_cache_dtype: str | None) -> bool:
@@ -98,10 +88,9 @@ class CommonAttentionMetadata:
     naming it. Then ``slot_mapping[num_slot_tokens:]`` is filled with -1, so padded tokens never
     touch the cache.
 
-    Fields replaced or edited in place after construction are checked again when the batch
-    meets a cache (``PagedKVCache.build_metadata``, every step): host tensors in full, device
-    tensors only with ``VATTN_DEBUG_CHECKS=1`` (no sync otherwise; the kernels then keep every
-    read and write inside the cache and the block table).
+    Fields edited after construction are checked again when the batch meets a cache (every
+    step): host tensors in full, device tensors with ``VATTN_DEBUG_CHECKS=1`` only (else the
+    kernels keep every read and write inside the cache and the block table).
     """
 
     query_start_loc: torch.Tensor
@@ -165,9 +154,7 @@ class AttentionBackend(ABC):
     supports_alibi: ClassVar[bool] = False
     supports_mask_mod: ClassVar[bool] = False  # takes a layer's FlexAttention mask_mod
     supports_score_mod: ClassVar[bool] = False  # takes a layer's FlexAttention score_mod
-    supports_tree_parents: ClassVar[bool] = False
-    """Its builder honours ``CommonAttentionMetadata.tree_parents`` (draft trees); else
-    ``PagedKVCache.build_metadata`` refuses a batch that carries them."""
+    supports_tree_parents: ClassVar[bool] = False  # honours CommonAttentionMetadata.tree_parents
     supported_attn_types: ClassVar[tuple[str, ...]] = (AttentionType.DECODER,)
     runs_on_cpu: ClassVar[bool] = False
     """Serves CPU tensors (else CUDA only)."""

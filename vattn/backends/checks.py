@@ -257,7 +257,34 @@ def check_mods(mask_mod: Any, score_mod: Any, where: str = "vattn.Attention") ->
             fail(f"{where}: {name}", f"a function of {n} positional tensors ({names})", repr(fn),
                  "write it as FlexAttention defines it (vattn.backends.flex_attention.mods has examples).")
         except ValueError:  # no signature to inspect (a builtin): trust it
-            pass
+            continue
+        _probe_mod(name, fn, n, where)
+
+
+def _probe_mod(name: str, fn: Any, n: int, where: str) -> None:
+    """Call ``fn`` once as FlexAttention will (0-d int32 indices; a 0-d float32 score first for a
+    score_mod) and refuse what it cannot run: an exception, or a result that is not a 0-d tensor
+    of the right kind (a bool tensor for a mask_mod, a floating one for a score_mod)."""
+    idx = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    args = ([torch.zeros((), dtype=torch.float32)] if n == 5 else []) + idx
+    want = "a bool tensor" if n == 4 else "a floating tensor (the new score)"
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001  (the user's code: any error is the answer)
+        raise ValueError(f"{where}: {name} raised {type(e).__name__} ({e}) when called on 0-d int32 indices as "
+                         "FlexAttention calls it; make it work on scalar tensors (index captured tensors by b / "
+                         "q_idx / kv_idx; no Python control flow on tensor values).") from e
+    if not isinstance(out, torch.Tensor):
+        hint = " (a Python constant would attend to every key: return e.g. kv_idx <= q_idx)" if n == 4 else ""
+        raise TypeError(f"{where}: {name}: expected it to return {want}, got {type(out).__name__} {out!r}{hint}.")
+    ok = out.dtype == torch.bool if n == 4 else out.dtype.is_floating_point
+    if not ok:
+        raise TypeError(f"{where}: {name}: expected it to return {want}, got a {out.dtype} tensor; "
+                        + ("compare positions (e.g. kv_idx <= q_idx) rather than returning numbers."
+                           if n == 4 else "return the score as a float (e.g. score + bias), not a bool or int."))
+    if out.dim() != 0:
+        raise ValueError(f"{where}: {name}: expected a 0-d result for 0-d indices (one value per query/key pair), "
+                         f"got shape {tuple(out.shape)}; do not stack or broadcast over captured tensors.")
 
 
 def triton_availability(name: str) -> tuple[bool, str]:

@@ -31,6 +31,7 @@ from vattn.backends.abstract import (
 from vattn.backends.flex_attention.block_mask import build_block_mask
 from vattn.backends.flex_attention.compiled import bucket
 from vattn.backends.flex_attention.paging import GATHER_BLOCK, FlexCall, MaskSpec
+from vattn.backends.flex_attention.mods import check_mod_tensors
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -167,9 +168,12 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         real_cpu = qsl_cpu[:-1] < t  # padded requests (CUDA-graph padding) start past the real tokens
         qlen_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
         seq_cpu = torch.where(real_cpu, cm.seq_lens_cpu[:b].long(), 0)
+        longest = int(seq_cpu.max()) if b else 0
+        for spec in self.layer_specs():  # the mods' per-request tensors fit the step, before anything is written
+            check_mod_tensors(spec.mask_mod, b, longest)
         num_cache_blocks = self._cache_blocks(cm)
         # The table's own width counts too: CUDA-graph captures use the widest table first.
-        needed = max(-(-int(seq_cpu.max()) // bs) if b else 1, cm.block_table_tensor.shape[1])
+        needed = max(-(-longest // bs) if b else 1, cm.block_table_tensor.shape[1])
         self.width = max(self.width, bucket(needed))
         kv_width = self.width if self.device.type == "cuda" else max(self.width, num_cache_blocks)
 

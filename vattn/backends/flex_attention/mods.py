@@ -19,7 +19,12 @@ document ids) are tensors the mod captures and that you update in place before b
 step's metadata (``kv.build_metadata``): the block masks are computed there, once per step.
 Index them by ``b`` (rows past the step's requests are never read) and, for per-token facts,
 by ``q_idx`` / ``kv_idx`` (positions below each request's ``seq_len``). Keep their shapes
-fixed: a new shape compiles FlexAttention anew.
+fixed: a new shape compiles FlexAttention anew. The helpers below check those shapes against
+each step when its metadata is built; ``vattn.Attention`` calls a mod once on example indices
+when the layer is made, so a mod that raises or returns the wrong type is refused there.
+
+A query row whose mask hides every key gets zeros (FlexAttention's convention; an SDPA call with
+the same boolean mask would give NaN), on every path (eager, compiled, gathered or paged).
 
 >>> prompt_lens = torch.zeros(64, dtype=torch.int32)            # doctest: +SKIP
 >>> attn = vattn.Attention(8, 64, 0.125, mask_mod=prefix_lm(prompt_lens), prefix="l0.attn")  # doctest: +SKIP
@@ -36,6 +41,7 @@ from torch.nn.attention.flex_attention import and_masks, or_masks
 
 __all__ = [
     "MaskMod",
+    "check_mod_tensors",
     "ScoreMod",
     "alibi",
     "and_masks",
@@ -114,6 +120,7 @@ def prefix_lm(prompt_lens: Tensor) -> MaskMod:
     def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) | (kv_idx < prompt_lens[b])
 
+    mask.vattn_tensors = (("prompt_lens", prompt_lens),)  # type: ignore[attr-defined]
     return mask
 
 
@@ -128,7 +135,22 @@ def document(doc_ids: Tensor) -> MaskMod:
     def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
+    mask.vattn_tensors = (("doc_ids", doc_ids),)  # type: ignore[attr-defined]
     return mask
+
+
+def check_mod_tensors(mod: object, num_reqs: int, max_seq_len: int) -> None:
+    """Raise ``ValueError`` naming the tensor when a helper's per-request tensor (``prefix_lm``'s
+    ``prompt_lens``: (>= num_reqs,), ``document``'s ``doc_ids``: (>= num_reqs, >= max_seq_len))
+    is too small for this step. Mods that are not vattn's helpers are not looked at."""
+    for name, t in getattr(mod, "vattn_tensors", ()):
+        if t.shape[0] < num_reqs:
+            raise ValueError(f"{name}: expected a row for each of the step's {num_reqs} requests, got shape "
+                             f"{tuple(t.shape)}; allocate it for the most requests a step holds and update it in "
+                             "place.")
+        if t.dim() == 2 and t.shape[1] < max_seq_len:
+            raise ValueError(f"{name}: expected a column for each of the {max_seq_len} positions of the step's "
+                             f"longest sequence, got shape {tuple(t.shape)}; allocate it for the longest sequence.")
 
 
 def soft_cap(cap: float) -> ScoreMod:
