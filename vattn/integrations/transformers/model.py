@@ -57,6 +57,12 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     """
     layer = module._modules.get("attn")  # a submodule: not through nn.Module.__getattr__'s Python fallback
     if not torch.compiler.is_compiling():
+        if not isinstance(layer, Attention) or query.shape[0] != 1:
+            raise ValueError(
+                f"{type(module).__name__}: attn_implementation='vattn' runs one flattened step (batch 1) through "
+                f"the vattn.Attention at module.attn; got query {tuple(query.shape)} and attn "
+                f"{type(layer).__name__}. Build the model with vattn.integrations.transformers.wrap (or "
+                "from_pretrained) and call that, inside vattn.set_forward_context.")
         if not is_forward_context_available():
             raise RuntimeError(
                 f"{type(module).__name__}: the model runs its attention on vattn, which reads each step's batch "
@@ -64,12 +70,6 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                 "forward of the transformers model). generate() does not run on a wrapped model yet: generate "
                 "with examples/generate.py --hf DIR or examples.engine.Engine, or call the VattnCausalLM as "
                 "model(input_ids, positions) inside vattn.set_forward_context(kv.build_metadata(common), cfg).")
-        if not isinstance(layer, Attention) or query.shape[0] != 1:
-            raise ValueError(
-                f"{type(module).__name__}: attn_implementation='vattn' runs one flattened step (batch 1) through "
-                f"the vattn.Attention at module.attn; got query {tuple(query.shape)} and attn "
-                f"{type(layer).__name__}. Build the model with vattn.integrations.transformers.wrap (or "
-                "from_pretrained) and call that, inside vattn.set_forward_context.")
         if attention_mask is not None:
             _warn_once("attn_implementation='vattn' got an attention mask from transformers: it is ignored (the "
                        "step's metadata defines what each token attends to), but building it costs time.")
@@ -158,8 +158,7 @@ def _unsupported_model(model: nn.Module) -> str | None:
     text = _text_config(model) if config is not None else None
     name = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
-        return ("an encoder-decoder model (its encoder attends both ways, its decoder reads the encoder through "
-                "cross-attention); vattn's adapter runs decoder-only causal LMs")
+        return None  # refused per attention module (layers._check_supported), naming it
     if getattr(text, "attention_chunk_size", None):
         return (f"a model with chunked local attention (attention_chunk_size={text.attention_chunk_size}, "
                 "Llama-4's), which no vattn backend serves yet; vattn's adapter runs full and sliding-window "
