@@ -10,6 +10,7 @@ run every backend at DeepSeek's sizes, fp8 latent caches and CUDA-graph replays.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -105,23 +106,30 @@ def test_triton_mla_bf16() -> None:
     _run_triton(MLASpec(**MIXED, dtype=torch.bfloat16, device=DEV), seed=4, factor=2.0)
 
 
-def test_triton_mla_split_counts_agree() -> None:
-    """Every split count gives the one-split result (partials merged by log-sum-exp)."""
+def _four_decodes(seed: int) -> tuple[Any, Any, torch.Tensor, torch.Tensor, Any]:
+    """(spec, batch, q_nope, q_pe, decode(cache, splits) -> out) for four decodes of random context."""
     spec = MLASpec(context_lens=(3, 70, 0, 33), query_lens=(1, 1, 1, 1), device=DEV)
-    batch = make_mla_batch(spec, seed=5)
-    md = _builder(spec).build(0, batch.common)
-    launch = OPS["vattn.backends.mla.triton_mla.launch"]
-    d = md.decode
+    batch = make_mla_batch(spec, seed=seed)
+    d = _builder(spec).build(0, batch.common).decode
     assert d is not None
+    launch = OPS["vattn.backends.mla.triton_mla.launch"]
     q_nope = torch.randn(4, spec.num_heads, spec.kv_lora_rank, device=DEV)
     q_pe = torch.randn(4, spec.num_heads, spec.qk_rope_head_dim, device=DEV)
-    outs = []
-    for splits in (1, 2, 8):
+
+    def decode(cache: torch.Tensor, splits: int) -> torch.Tensor:
         out = torch.empty_like(q_nope)
-        launch.mla_decode(q_nope, q_pe, batch.kv_cache, out, query_start_loc=d.query_start_loc, seq_lens=d.seq_lens,
+        launch.mla_decode(q_nope, q_pe, cache, out, query_start_loc=d.query_start_loc, seq_lens=d.seq_lens,
                           block_table=d.block_table, softmax_scale=0.3, kv_lora_rank=spec.kv_lora_rank,
                           num_splits=splits)
-        outs.append(out)
+        return out
+
+    return spec, batch, q_nope, q_pe, decode
+
+
+def test_triton_mla_split_counts_agree() -> None:
+    """Every split count gives the one-split result (partials merged by log-sum-exp)."""
+    _, batch, _, _, decode = _four_decodes(5)
+    outs = [decode(batch.kv_cache, splits) for splits in (1, 2, 8)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
@@ -129,24 +137,13 @@ def test_triton_mla_split_counts_agree() -> None:
 def test_triton_mla_decode_propagates_nan() -> None:
     """A NaN query head, or a NaN in a request's cached k_pe, gives NaN for exactly what it touches
     with every split count (the split merge once dropped a NaN split as an empty one: zeros)."""
-    spec = MLASpec(context_lens=(3, 70, 0, 33), query_lens=(1, 1, 1, 1), device=DEV)
-    batch = make_mla_batch(spec, seed=6)
-    md = _builder(spec).build(0, batch.common)
-    launch = OPS["vattn.backends.mla.triton_mla.launch"]
-    d = md.decode
-    assert d is not None
-    q_nope = torch.randn(4, spec.num_heads, spec.kv_lora_rank, device=DEV)
-    q_pe = torch.randn(4, spec.num_heads, spec.qk_rope_head_dim, device=DEV)
+    spec, batch, q_nope, _, decode = _four_decodes(6)
     q_nope[0, 1, 3] = float("nan")  # request 0, head 1
     cache = batch.kv_cache.clone()
     block, offset = divmod(int(batch.common.slot_mapping[1]), cache.shape[1])
     cache[block, offset, spec.kv_lora_rank] = float("nan")  # request 1's new token: its k_pe
     for splits in (1, 2, 8):
-        out = torch.empty_like(q_nope)
-        launch.mla_decode(q_nope, q_pe, cache, out, query_start_loc=d.query_start_loc, seq_lens=d.seq_lens,
-                          block_table=d.block_table, softmax_scale=0.3, kv_lora_rank=spec.kv_lora_rank,
-                          num_splits=splits)
-        nan = out.isnan().any(-1)  # (rows, heads)
+        nan = decode(cache, splits).isnan().any(-1)  # (rows, heads)
         want = torch.zeros_like(nan)
         want[0, 1] = True
         want[1, :] = True
