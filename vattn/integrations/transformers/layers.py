@@ -33,6 +33,11 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _MLA_ATTRIBUTES = ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj")
 
 
+#: Module names transformers gives a decoder's cross-attention (BART / Whisper ``encoder_attn``,
+#: BERT ``crossattention``).
+_CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
+
+
 class UnsupportedAttentionError(NotImplementedError):
     """An attention module the vattn adapter cannot run; the message names its path and why."""
 
@@ -106,7 +111,8 @@ def _layer_type(module: nn.Module, config: Any) -> str | None:
 def _check_supported(path: str, module: nn.Module, config: Any) -> None:
     """Raise ``UnsupportedAttentionError`` for what the adapter cannot run."""
     name = type(module).__name__
-    if getattr(module, "is_cross_attention", False) or "CrossAttention" in name:
+    if (getattr(module, "is_cross_attention", False) or "CrossAttention" in name
+            or path.rsplit(".", 1)[-1] in _CROSS_ATTENTION_NAMES):
         raise _refuse(path, module, "cross-attention (encoder-decoder) is not supported by the vattn adapter; "
                                     "it runs decoder-only causal LMs")
     if getattr(config, "is_encoder_decoder", False):

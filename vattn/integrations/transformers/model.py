@@ -25,8 +25,8 @@ from torch import nn
 
 import vattn
 from vattn.compile_passes.packed_linears import pack_linear_weights
-from vattn.forward_context import is_forward_context_available
-from vattn.integrations.transformers.inputs import check_hidden, check_step_inputs
+from vattn.forward_context import get_forward_context, is_forward_context_available
+from vattn.integrations.transformers.inputs import check_hidden, check_positions, check_step_inputs
 from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
 from vattn.integrations.transformers.norms import fuse_rms_norms
 from vattn.layer import Attention
@@ -66,15 +66,43 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         if not is_forward_context_available():
             raise RuntimeError(
                 f"{type(module).__name__}: the model runs its attention on vattn, which reads each step's batch "
-                "from vattn.set_forward_context; it was called without one (transformers' generate() or a plain "
-                "forward of the transformers model). generate() does not run on a wrapped model yet: generate "
-                "with examples/generate.py --hf DIR or examples.engine.Engine, or call the VattnCausalLM as "
-                "model(input_ids, positions) inside vattn.set_forward_context(kv.build_metadata(common), cfg).")
+                "from vattn.set_forward_context; it was called without one (a plain forward of the transformers "
+                f"model). {_USE_INSTEAD}")
+        if key.shape[2] != query.shape[2]:
+            raise NotImplementedError(
+                f"{type(module).__name__}: key: expected as many tokens as the query ({query.shape[2]}), got "
+                f"{key.shape[2]}: transformers' own KV cache is in use (past_key_values, use_cache=True: generate() "
+                "or a decoding loop over the transformers model), and vattn keeps the cache itself. "
+                f"{_USE_INSTEAD}")
+        if kwargs.get("use_cache") and getattr(module, "layer_idx", 0) == 0:
+            _check_direct_call(kwargs.get("position_ids"))
         if attention_mask is not None:
             _warn_once("attn_implementation='vattn' got an attention mask from transformers: it is ignored (the "
                        "step's metadata defines what each token attends to), but building it costs time.")
     out = layer(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, H * D)
     return out.view(1, -1, layer.num_heads, layer.head_size), None
+
+
+_USE_INSTEAD = ("transformers' generate() does not run on a wrapped model (yet): generate with "
+                "examples/generate.py --hf DIR or examples.engine.Engine, or run steps yourself: call the "
+                "VattnCausalLM as model(input_ids, positions) inside "
+                "vattn.set_forward_context(kv.build_metadata(common), cfg).")
+
+
+def _generate_unsupported(model_name: str, *args: Any, **kwargs: Any) -> Any:
+    """``generate`` of a wrapped model: refused before anything runs (see ``wrap``)."""
+    raise NotImplementedError(f"{model_name}.generate(): {_USE_INSTEAD}")
+
+
+def _check_direct_call(position_ids: Any) -> None:
+    """A forward of the transformers model itself inside a forward context (transformers' default
+    ``use_cache=True``; ``VattnCausalLM`` passes False and checks its own inputs): its position ids
+    (transformers counts from 0 without a cache of its own) against the step's metadata."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.device.type != "cpu" or position_ids.dim() != 2:
+        return
+    check_positions(position_ids[0], _metadata_of(get_forward_context()), name="position_ids",
+                    fix="a forward of the transformers model counts positions from 0 unless given position_ids; "
+                        "call the VattnCausalLM as model(input_ids, positions) with each token's position")
 
 
 def register() -> None:
@@ -118,14 +146,26 @@ class VattnCausalLM(nn.Module):
         embed = hf_model.get_input_embeddings() if hasattr(hf_model, "get_input_embeddings") else None
         self._vocab_size: int | None = getattr(embed, "num_embeddings", None) or getattr(text, "vocab_size", None)
         self._hidden_size: int | None = getattr(getattr(hf_model, head_name, None), "in_features", None)
+        self._embedding = (embed,)  # in a tuple: not registered a second time as a submodule
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states.
 
-        Eager calls check the inputs first (``inputs.py``: shapes and dtypes; ids and positions
-        that are on the host, against the vocabulary and the step's metadata)."""
+        Eager calls check the inputs first (``inputs.py``: shapes, dtypes and devices; ids and
+        positions that are on the host, against the vocabulary and the step's metadata), before
+        anything is written to the KV cache."""
         if not torch.compiler.is_compiling():
-            check_step_inputs(input_ids, positions, self._vocab_size, _any_metadata())
+            if not is_forward_context_available():
+                raise RuntimeError(
+                    "VattnCausalLM: called outside vattn.set_forward_context; the step's batch (which tokens belong "
+                    "to which request, where their K/V go) comes from it. Call model(input_ids, positions) inside "
+                    "`with vattn.set_forward_context(kv.build_metadata(common), cfg):`, or inside "
+                    "vattn.set_forward_context(None, cfg, dummy_run=True) for a warm-up run that writes nothing.")
+            ctx = get_forward_context()
+            weight = getattr(self._embedding[0], "weight", None)
+            check_step_inputs(input_ids, positions, self._vocab_size, _metadata_of(ctx),
+                              device=weight.device if isinstance(weight, torch.Tensor) else None,
+                              debug=ctx.debug_checks)
         decoder = self.hf_model
         for name in self._decoder_path:
             decoder = getattr(decoder, name)
@@ -134,9 +174,12 @@ class VattnCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) logits in the model dtype, as the model's own forward computes them."""
+        head = getattr(self.hf_model, self._head_name)
         if not torch.compiler.is_compiling():
-            check_hidden(hidden, self._hidden_size)
-        logits = getattr(self.hf_model, self._head_name)(hidden)
+            weight = getattr(head, "weight", None)
+            check_hidden(hidden, self._hidden_size,
+                         weight if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None)
+        logits = head(hidden)
         if self._logit_scale is not None:
             logits = logits * self._logit_scale
         if self._logits_scaling is not None:
@@ -165,26 +208,39 @@ def _unsupported_model(model: nn.Module) -> str | None:
                 "causal attention")
     if "MaskedLM" in name or (getattr(config, "is_decoder", True) is False and "CausalLM" not in name):
         return ("an encoder (bidirectional attention, masked-LM or task head); vattn's adapter runs decoder-only "
-                "causal LMs (*ForCausalLM)")
+                "causal LMs (*ForCausalLM). For an encoder, build the model with "
+                "vattn.Attention(..., attn_type=vattn.AttentionType.ENCODER_ONLY) layers")
     return None
 
 
-def _any_metadata() -> Any:
-    """One layer's metadata of the current step (None outside a forward context or in a warm-up)."""
-    from vattn.forward_context import get_forward_context
+def _missing_part(model: nn.Module, head: Any, decoder_path: tuple[str, ...] | None) -> str:
+    """What ``wrap`` did not find in ``model`` and what to do, said for its message."""
+    load = "load the checkpoint with transformers.AutoModelForCausalLM"
+    if head is None:
+        return ("which has no LM head (get_output_embeddings() is None: a base model or a task head such as "
+                f"*ForSequenceClassification); {load}")
+    if decoder_path is None:
+        return f"whose decoder was not found (get_decoder(), its base_model_prefix, or a child named 'model'); {load}"
+    path = next((p for p, m in model.named_modules() if m is head), "?")
+    return (f"whose LM head's output layer ({path}) is not a child module of the model (a head of several "
+            "layers); the adapter runs causal LMs whose LM head is one child module (lm_head), as Llama's")
 
-    if not is_forward_context_available():
-        return None
-    md = get_forward_context().attn_metadata
+
+def _metadata_of(ctx: Any) -> Any:
+    """One layer's metadata of the step (None in a warm-up): the step's batch is the same for every layer."""
+    md = ctx.attn_metadata
     return next(iter(md.values()), None) if isinstance(md, dict) else md
 
 
 def _decoder_path(model: nn.Module) -> tuple[str, ...] | None:
-    """Attribute names leading from ``model`` to its decoder (``get_decoder()``, else the base model)."""
+    """Attribute names leading from ``model`` to its decoder (``get_decoder()``, else the base model,
+    else the child ``model``: Llama-4's text model names a base prefix it does not use)."""
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     if not isinstance(decoder, nn.Module) or decoder is model:
         decoder = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        decoder = model._modules.get("model")
     if not isinstance(decoder, nn.Module) or decoder is model:
         return None
     path = next((p for p, m in model.named_modules() if m is decoder), None)
@@ -249,7 +305,8 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     unchanged), which ``vattn.compile`` runs as one GEMM
     (``vattn.compile_passes.packed_linears``). With ``fuse_norms``, RMSNorm modules of
     transformers' usual forms run as one ``F.rms_norm`` in eager inference (``norms.py``; same
-    arithmetic, fewer kernel launches). Then allocate the cache with
+    arithmetic, fewer kernel launches). ``model.generate`` raises ``NotImplementedError``
+    (transformers' generate() runs on its own cache, which vattn replaces). Then allocate the cache with
     ``vattn.allocate_kv_cache(vattn_config, ...)``.
 
     Args:
@@ -270,6 +327,9 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     """
     if not isinstance(vattn_config, vattn.VattnConfig):
         raise TypeError(f"wrap: vattn_config must be a vattn.VattnConfig, got {type(vattn_config).__name__}.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap: model: expected a transformers model (an nn.Module), got {type(model).__name__}; "
+                        "pass transformers.AutoModelForCausalLM.from_pretrained(...), or a path to from_pretrained.")
     if isinstance(model, VattnCausalLM) or any(isinstance(m, Attention) for m in model.modules()):
         raise ValueError(f"wrap: {type(model).__name__} already has vattn layers; wrap a model once.")
     get_head = getattr(model, "get_output_embeddings", None)
@@ -280,8 +340,9 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     if why is not None:
         raise UnsupportedAttentionError(f"wrap: {type(model).__name__} is {why}.")
     if head is None or head_name is None or decoder_path is None:
-        raise TypeError(f"wrap: expected a transformers causal LM (*ForCausalLM, with an LM head), got "
-                        f"{type(model).__name__}; load it with transformers.AutoModelForCausalLM.")
+        error = TypeError if head is None or decoder_path is None else NotImplementedError  # nested head: a gap
+        raise error(f"wrap: model: expected a transformers causal LM (*ForCausalLM: a decoder and an LM head "
+                    f"child module), got {type(model).__name__}, {_missing_part(model, head, decoder_path)}.")
     register()
     found = attention_modules(model)
     if not found:
@@ -305,6 +366,8 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         raise
     for (_, module), layer in zip(found, layers):
         module.attn = layer
+    if callable(getattr(model, "generate", None)):  # transformers' cache and masks are bypassed: refuse it early
+        model.generate = functools.partial(_generate_unsupported, type(model).__name__)
     if pack_projections:
         pack_linear_weights(model)
     if fuse_norms:
