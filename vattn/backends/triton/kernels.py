@@ -270,8 +270,9 @@ def _unified_attention_kernel(
     ((T, D), token stride ``stride_rope``) as they are loaded (``vattn.kernels.rotary``).
 
     Device metadata may be hand-built and unchecked (no host sync reads it), so nothing it says
-    moves a read or write outside the tensors: a request's query rows are clamped into
-    ``[0, num_tokens)``, its keys to the ``bt_cols`` columns of its block-table row, block ids
+    moves a read or write outside the tensors: ``cu_q`` entries are clamped into
+    ``[0, num_tokens]`` as they are read (so the grid's blocks still cover every row where the
+    clamped offsets rise), a request's query rows end no earlier than they start, its keys to the ``bt_cols`` columns of its block-table row, block ids
     into ``[0, num_blocks)``, stored slots to ``[0, num_blocks * PAGE_SIZE)``. On valid metadata
     every clamp is a no-op."""
     if LAUNCH_DEPENDENTS:  # a PDL-launched next kernel may start (it waits for our output itself)
@@ -287,8 +288,8 @@ def _unified_attention_kernel(
     # only when the guess is wrong (a batch with longer queries).
     seq = BLOCK_Q * (q_block // (BLOCK_Q + 1)) + tl.minimum(q_block % (BLOCK_Q + 1), BLOCK_Q - 1)
     seq = tl.maximum(tl.minimum(seq, num_seqs - 1), 0)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_next = tl.load(cu_q_ptr + seq + 1)
+    q_start = tl.minimum(tl.maximum(tl.load(cu_q_ptr + seq), 0), num_tokens)
+    q_next = tl.minimum(tl.maximum(tl.load(cu_q_ptr + seq + 1), q_start), num_tokens)
     seq_len = tl.load(seqused_k_ptr + seq)
     guessed = (q_start // BLOCK_Q + seq <= q_block) & ((seq == num_seqs - 1) | (q_next // BLOCK_Q + seq + 1 > q_block))
     if not guessed:
@@ -296,16 +297,14 @@ def _unified_attention_kernel(
         hi = num_seqs - 1
         while seq < hi:
             mid = (seq + hi + 1) // 2
-            if tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= q_block:
+            if tl.minimum(tl.maximum(tl.load(cu_q_ptr + mid), 0), num_tokens) // BLOCK_Q + mid <= q_block:
                 seq = mid
             else:
                 hi = mid - 1
-        q_start = tl.load(cu_q_ptr + seq)
-        q_next = tl.load(cu_q_ptr + seq + 1)
+        q_start = tl.minimum(tl.maximum(tl.load(cu_q_ptr + seq), 0), num_tokens)
+        q_next = tl.minimum(tl.maximum(tl.load(cu_q_ptr + seq + 1), q_start), num_tokens)
         seq_len = tl.load(seqused_k_ptr + seq)
     q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # this program's block, as the grid counts them
-    q_start = tl.minimum(tl.maximum(q_start, 0), num_tokens)
-    q_next = tl.minimum(tl.maximum(q_next, q_start), num_tokens)
     seq_len = tl.minimum(seq_len, bt_cols * PAGE_SIZE)
     q_len = q_next - q_start
     if (q_off < 0) | (q_off >= q_len):
