@@ -11,7 +11,7 @@ Model: the Llama-3.2-1B shape (``examples/model.py``, random weights, bf16) thro
 | figure | meaning |
 | --- | --- |
 | ``step_ms`` | median wall time of ``Engine.step`` (no timers inside) |
-| ``<phase>_ms`` | a second pass with each part of the step timed on the host (medians; the timers add a little): ``prepare`` (of it ``common_metadata``, ``vattn.build_common_attn_metadata``), ``runner`` (graph runner: pad, metadata build, replay), ``logits``, ``sample``, ``to_host`` (start the tokens' copy), ``flush`` (wait for the tokens of the step before: with async scheduling, the time the host waits for the GPU) |
+| ``<phase>_ms`` | a second pass with each part of the step timed on the host (medians; the timers add a little): ``schedule``, ``prepare`` (of it ``common_metadata``, ``vattn.InputBatch.prepare``), ``runner`` (graph runner: pad, metadata build, replay), ``logits``, ``sample``, ``to_host`` (start the tokens' copy), ``update`` (the scheduler's bookkeeping), ``flush`` (wait for the tokens of the step before: with async scheduling, the time the host waits for the GPU) |
 
 A step whose ``flush`` waits is GPU-bound; one whose ``flush`` is near zero with async
 scheduling is host-bound.
@@ -92,7 +92,8 @@ class PhaseTimer:
 def instrumented(timer: PhaseTimer, graph_runner: Any, model: Any) -> Iterator[None]:
     """Time the parts of ``Engine.step`` while inside (the patches are undone on exit)."""
     parts = [(Engine, "_prepare", "prepare"), (Engine, "flush", "flush"), (Engine, "_send_to_host", "to_host"),
-             (engine_mod, "sample", "sample"), (vattn, "build_common_attn_metadata", "common_metadata"),
+             (engine_mod, "sample", "sample"), (vattn.InputBatch, "prepare", "common_metadata"),
+             (engine_mod.Scheduler, "schedule", "schedule"), (engine_mod.Scheduler, "update", "update"),
              (model, "compute_logits", "logits")]
     if graph_runner is not None:
         parts.append((type(graph_runner), "__call__", "runner"))

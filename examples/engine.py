@@ -99,6 +99,8 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    #: The request's row in the scheduler's ``vattn.InputBatch`` while it holds blocks, else None.
+    row: int | None = None
     #: Set when a step failed because of this request (``Engine.step``): it is finished, with
     #: the outputs it had, and its blocks are freed.
     error: Exception | None = None
@@ -144,6 +146,16 @@ class BlockAllocator:
             self._owner[b] = owner
         return blocks
 
+    def allocate_each(self, owners: list[int]) -> list[int] | None:
+        """One block id for each of ``owners`` (request ids), or None (nothing taken) if fewer are free."""
+        if len(owners) > len(self._free):
+            return None
+        blocks = [self._free.popleft() for _ in owners]
+        for b, owner in zip(blocks, owners):
+            assert b not in self._owner, f"block {b} handed out twice"
+            self._owner[b] = owner
+        return blocks
+
     def free(self, blocks: list[int], owner: int) -> None:
         """Return ``blocks`` (all owned by ``owner``) to the free list."""
         for b in blocks:
@@ -161,48 +173,12 @@ class BlockAllocator:
         assert len(owned) + len(self._free) == self.num_blocks, "blocks leaked"
 
 
-class BlockTables:
-    """The block ids of every request that holds blocks, one row each of one numpy array (rows
-    reused as requests come and go), so that a step's block table is one row gather rather than a
-    conversion of Python lists. Columns past a request's own blocks hold stale ids; the metadata
-    reads and checks only the first ``ceil(seq_len / block_size)`` of each row."""
-
-    def __init__(self, rows: int, width: int = 16) -> None:
-        self.ids = np.zeros((rows, width), dtype=np.int32)
-        self._row: dict[int, int] = {}
-        self._free_rows = list(range(rows - 1, -1, -1))
-
-    def extend(self, req_id: int, start: int, blocks: list[int]) -> None:
-        """Write ``blocks`` into request ``req_id``'s row from column ``start`` (a row on first use)."""
-        row = self._row.get(req_id)
-        if row is None:
-            if not self._free_rows:  # more requests hold blocks than rows: double the rows
-                n = self.ids.shape[0]
-                self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
-                self._free_rows = list(range(2 * n - 1, n - 1, -1))
-            row = self._row[req_id] = self._free_rows.pop()
-        end = start + len(blocks)
-        if end > self.ids.shape[1]:  # a longer request than any before: double the columns
-            grown = np.zeros((self.ids.shape[0], max(end, 2 * self.ids.shape[1])), dtype=np.int32)
-            grown[:, : self.ids.shape[1]] = self.ids
-            self.ids = grown
-        self.ids[row, start:end] = blocks
-
-    def release(self, req_id: int) -> None:
-        row = self._row.pop(req_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-
-    def gather(self, req_ids: list[int], width: int) -> np.ndarray:
-        """(len(req_ids), width) int32: the rows of these requests, in this order."""
-        return self.ids[[self._row[r] for r in req_ids], :width]
-
-
 class Scheduler:
     """Continuous batching with chunked prefill under ``max_num_batched_tokens`` (decodes first)."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, *, max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 64, chunked_prefill: bool = True) -> None:
+                 max_num_seqs: int = 64, chunked_prefill: bool = True, device: torch.device | str = "cpu",
+                 max_model_len: int | None = None, pad_tokens_to: int = 1) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
                              f"({max_num_seqs}) must be at least 1.")
@@ -214,7 +190,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
-        self.block_tables = BlockTables(max_num_seqs)
+        max_blocks = allocator.num_blocks if max_model_len is None else -(-max_model_len // block_size)
+        #: Rows of the running requests: block ids and computed tokens, kept across steps; each
+        #: step's metadata is built from it (``InputBatch.prepare``).
+        self.batch = vattn.InputBatch(max_num_reqs=max_num_seqs, max_blocks_per_req=max(min(max_blocks, allocator.num_blocks), 1),
+                                      block_size=block_size, num_blocks=allocator.num_blocks, device=device,
+                                      max_num_tokens=max_num_batched_tokens + pad_tokens_to - 1)
+        # The last schedule when it was all decodes of every running request (``schedule``'s
+        # steady state: the next one is the same requests, one token each), with its rows.
+        self._steady: list[tuple[Request, int]] | None = None
+        self._last: list[tuple[Request, int]] | None = None
+        self.rows = np.zeros(0, dtype=np.int64)  # the last schedule's rows, in its order
+        self.query_lens = np.zeros(0, dtype=np.int64)  # ... and new tokens
 
     def add(self, req: Request) -> None:
         """Queue ``req`` (its token ids and sampling already checked: ``Engine.add_request``), or
@@ -245,20 +232,58 @@ class Scheduler:
         blocks = self.allocator.allocate(need, req.req_id)
         if blocks is None:
             return False
-        self.block_tables.extend(req.req_id, len(req.block_ids), blocks)
+        if req.row is None:
+            req.row = self.batch.add_row(blocks, req.num_computed_tokens)
+        else:
+            self.batch.append_blocks(req.row, blocks)
         req.block_ids += blocks
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
+        """Free ``req``'s blocks and row (finished, failed or preempted)."""
         self.allocator.free(req.block_ids, req.req_id)
-        self.block_tables.release(req.req_id)
-        req.block_ids, req.num_computed_tokens = [], 0
+        if req.row is not None:
+            self.batch.free_row(req.row)
+        req.block_ids, req.row = [], None
+        self._steady = None
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
 
     def schedule(self, step: int) -> list[tuple[Request, int]]:
-        """``[(request, num_new_tokens)]`` for this step, decodes (1 token) first."""
+        """``[(request, num_new_tokens)]`` for this step, decodes (1 token) first; ``rows`` and
+        ``query_lens`` hold the same as arrays (the requests' ``InputBatch`` rows).
+
+        Steady decoding (the last schedule was one token for every running request, and nothing
+        has finished or may be admitted since) returns that same list again: only requests whose
+        next token starts a new block are looked at (one vectorized test), not every request."""
+        steady = self._steady
+        if steady is not None and len(steady) == len(self.running) and not (
+                self.waiting and self.waiting[0].arrival_step <= step and len(self.running) < self.max_num_seqs
+                and self.max_num_batched_tokens > len(steady)):
+            starts = np.flatnonzero(self.batch.num_computed_tokens[self.rows] % self.block_size == 0)
+            if not starts.size:
+                return steady
+            reqs = [steady[i][0] for i in starts.tolist()]
+            blocks = self.allocator.allocate_each([r.req_id for r in reqs])
+            if blocks is not None:  # else the full schedule below preempts
+                self.batch.append_block_each(self.rows[starts], np.array(blocks))
+                for r, b in zip(reqs, blocks):
+                    r.block_ids.append(b)
+                return steady
+        out = self._schedule(step)
+        self.rows = np.fromiter((r.row for r, _ in out), dtype=np.int64, count=len(out))
+        self.query_lens = np.fromiter((n for _, n in out), dtype=np.int64, count=len(out))
+        self._last = out
+        decodes = len(out) == len(self.running) and all(n == 1 and r.num_remaining == 1 for r, n in out)
+        self._steady = out if decodes and out else None
+        return out
+
+    def _schedule(self, step: int) -> list[tuple[Request, int]]:
         budget = self.max_num_batched_tokens
         remaining = {r.req_id: r.num_remaining for r in self.running}  # read once: a property per call
         queue = [r for r in self.running if remaining[r.req_id] == 1] + [
@@ -295,26 +320,30 @@ class Scheduler:
         """Finish running request ``req`` with ``error`` (``Engine.step``): its blocks are freed and
         it keeps the outputs it had."""
         req.error = error
-        self.allocator.free(req.block_ids, req.req_id)
-        self.block_tables.release(req.req_id)
-        req.block_ids = []
+        self._release(req)
         self.running.remove(req)
         self.finished.append(req)
 
-    def update(self, scheduled: list[tuple[Request, int]], sampled: dict[int, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens (``req_id -> token``); returns newly finished."""
+    def update(self, scheduled: list[tuple[Request, int]], sampled: dict[int, int] | None = None) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (``req_id -> token``; None: every
+        scheduled request samples ``PENDING``); returns the newly finished requests."""
+        if scheduled is self._last:  # the batch's rows are this schedule's: advance them at once
+            self.batch.num_computed_tokens[self.rows] += self.query_lens
+        else:
+            for req, n in scheduled:
+                self.batch.num_computed_tokens[req.row] += n
         done = []
         for req, n in scheduled:
             req.num_computed_tokens += n
-            if req.req_id in sampled:
-                req.output_token_ids.append(sampled[req.req_id])
-                if len(req.output_token_ids) >= req.sampling.max_tokens:
-                    self.allocator.free(req.block_ids, req.req_id)
-                    self.block_tables.release(req.req_id)
-                    req.block_ids = []
-                    self.running.remove(req)
-                    self.finished.append(req)
+            if sampled is None or req.req_id in sampled:
+                out = req.output_token_ids
+                out.append(PENDING if sampled is None else sampled[req.req_id])
+                if len(out) >= req.sampling.max_tokens:
                     done.append(req)
+        for req in done:
+            self._release(req)
+            self.running.remove(req)
+            self.finished.append(req)
         return done
 
 
@@ -377,6 +406,8 @@ class _InFlight:
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU: the copy is done)
     rows: dict[int, int]  # req_id -> row of ``tokens``
     owners: list[tuple[Request, int]]  # (request, index in its output_token_ids) per row
+    scheduled: list[tuple[Request, int]]  # the step's schedule (the scheduler's list object)
+    every: bool  # every scheduled request samples, in schedule order (rows 0..S-1)
 
 
 def _prompt_ids(prompt: object, vocab_size: int | None) -> list[int]:
@@ -472,8 +503,11 @@ class Engine:
             raise ValueError("with graph_runner, leave pad_tokens_to at 1: the runner pads.")
         self.block_size = kv.block_size
         self.allocator = BlockAllocator(kv.num_blocks)
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.scheduler = Scheduler(self.allocator, self.block_size, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill)
+                                   max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill, device=self.device,
+                                   max_model_len=limit if isinstance(limit, int) and limit > 0 else None,
+                                   pad_tokens_to=pad_tokens_to)
         self.pad_tokens_to = pad_tokens_to
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.record_logits = record_logits
@@ -491,6 +525,8 @@ class Engine:
         # (``_greedy_from_graph``): key -> (graph, its (1,) token), or None when seen once.
         self._head_graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self._head_pool = None
+        self._sampler_cache: tuple[object, list[Request], bool, bool, dict[int, int], int] | None = None
+        self._sampler_step = -1
 
     def add_request(self, prompt_token_ids: Sequence[int] | np.ndarray | torch.Tensor,
                     sampling: SamplingParams | None = None, arrival_step: int = 0) -> Request:
@@ -530,12 +566,30 @@ class Engine:
     def _prepare(self, scheduled: list[tuple[Request, int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, vattn.CommonAttentionMetadata, torch.Tensor | slice]:
         """Device inputs for one step: (input_ids (T_pad,), positions (T_pad,), common metadata,
-        the rows whose logits sample ((S,) indices, or a slice when every token samples)): the
-        host's lists in one copy; a ``PENDING`` token is read from the in-flight step's samples
-        on the device."""
+        the rows whose logits sample ((S,) indices, or a slice when every token samples)).
+
+        The metadata comes from the scheduler's ``InputBatch`` (its rows, one copy). Steady
+        decoding (the same requests as the step in flight, one token each) reads its input ids
+        from that step's samples on the device and its positions from the batch's computed
+        counts: no per-request work. Otherwise the host's lists go in one copy each, and a
+        ``PENDING`` token is read from the in-flight step's samples on the device."""
+        sch = self.scheduler
+        flight = self._inflight
+        if scheduled is sch._last:
+            rows, qlens = sch.rows, sch.query_lens
+        else:  # a part of the schedule (``_isolate``)
+            rows = np.fromiter((r.row for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+            qlens = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
+        if (flight is not None and scheduled is flight.scheduled and flight.every
+                and self.pad_tokens_to == 1 and scheduled is sch._steady):
+            common = sch.batch.prepare(rows, qlens)
+            positions = torch.from_numpy(sch.batch.num_computed_tokens[rows])
+            if self._pin:
+                positions = positions.pin_memory().to(self.device, non_blocking=True)
+            return flight.tokens, positions, common, slice(0, len(scheduled))
         ids: list[int] = []
         pos: list[int] = []
-        rows: list[int] = []
+        sample_rows: list[int] = []
         dst: list[int] = []  # positions in ids of PENDING tokens ...
         src: list[int] = []  # ... and their rows in the in-flight step's samples
         for req, n in scheduled:
@@ -543,37 +597,31 @@ class Engine:
             ids += req.token_ids(c, c + n)
             pos += range(c, c + n)
             if c + n == req.num_tokens:
-                rows.append(len(ids) - 1)
+                sample_rows.append(len(ids) - 1)
                 if ids[-1] == PENDING:  # only a request's newest token can be pending
-                    assert self._inflight is not None
+                    assert flight is not None
                     dst.append(len(ids) - 1)
-                    src.append(self._inflight.rows[req.req_id])
+                    src.append(flight.rows[req.req_id])
                     ids[-1] = 0
         t = len(ids)
         t_pad = -(-t // self.pad_tokens_to) * self.pad_tokens_to
-        common = vattn.build_common_attn_metadata(
-            query_lens=[n for _, n in scheduled],
-            num_computed_tokens=[r.num_computed_tokens for r, _ in scheduled],
-            block_tables=self.scheduler.block_tables.gather(
-                [r.req_id for r, _ in scheduled], max(len(r.block_ids) for r, _ in scheduled)),
-            block_size=self.block_size, device=self.device, num_tokens_padded=t_pad)
+        common = sch.batch.prepare(rows, qlens, num_tokens_padded=t_pad)
         pad = [0] * (t_pad - t)
         # Each input a tensor of its own (a compiled model guards on views and storage offsets).
         positions = torch.tensor(pos + pad, dtype=torch.long, pin_memory=self._pin).to(self.device, non_blocking=True)
-        if (self._inflight is not None and t == t_pad == len(dst) == self._inflight.tokens.shape[0]
-                and dst == src == list(range(t))):
-            return self._inflight.tokens, positions, common, slice(0, t)  # steady decoding: last step's samples
+        if flight is not None and t == t_pad == len(dst) == flight.tokens.shape[0] and dst == src == list(range(t)):
+            return flight.tokens, positions, common, slice(0, t)  # decoding: the last step's samples in order
         input_ids = torch.tensor(ids + pad, dtype=torch.long, pin_memory=self._pin).to(self.device, non_blocking=True)
-        every = len(rows) == t  # every token samples (a decode batch): no gather of the rows
+        every = len(sample_rows) == t  # every token samples (a decode batch): no gather of the rows
         rows_t: torch.Tensor | slice = slice(0, t)
         if dst or not every:
-            aux = torch.tensor(([] if every else rows) + dst + src, dtype=torch.long, pin_memory=self._pin)
+            aux = torch.tensor(([] if every else sample_rows) + dst + src, dtype=torch.long, pin_memory=self._pin)
             idx, dst_t, src_t = aux.to(self.device, non_blocking=True).split(
-                [0 if every else len(rows), len(dst), len(src)])
+                [0 if every else len(sample_rows), len(dst), len(src)])
             rows_t = rows_t if every else idx
             if dst:
-                assert self._inflight is not None
-                input_ids[dst_t] = self._inflight.tokens[src_t]
+                assert flight is not None
+                input_ids[dst_t] = flight.tokens[src_t]
         return input_ids, positions, common, rows_t
 
     @torch.no_grad()  # not inference_mode: mixing inference tensors in makes a compiled model retrace
@@ -598,8 +646,6 @@ class Engine:
         self.step_count += 1
         if not scheduled:
             return StepStats(0, 0, 0, 0.0)
-        # A decode computes one generated token; everything else is (chunked) prefill or recompute.
-        decode = sum(1 for r, n in scheduled if n == 1 and r.num_computed_tokens >= len(r.prompt_token_ids))
         try:
             sampled, samplers = self._launch(scheduled)
         except Exception as error:  # noqa: BLE001  (attributed to requests by _isolate, else raised)
@@ -609,17 +655,19 @@ class Engine:
             if self.check_invariants:
                 self.allocator.check(self.scheduler.running)
             return StepStats(0, 0, 0, time.perf_counter() - start, num_failed=len(failed))
+        _, _, every, _, rows, decode = self._samplers(scheduled)
         host, done = self._send_to_host(sampled)
-        self.scheduler.update(scheduled, {r.req_id: PENDING for r in samplers})
-        flight = _InFlight(sampled, host, done, rows={r.req_id: i for i, r in enumerate(samplers)},
-                           owners=[(r, len(r.output_token_ids) - 1) for r in samplers])
+        self.scheduler.update(scheduled, None if every else {r.req_id: PENDING for r in samplers})
+        flight = _InFlight(sampled, host, done, rows=rows, owners=[(r, len(r.output_token_ids) - 1) for r in samplers],
+                           scheduled=scheduled, every=every)
         self.flush()  # the previous step's tokens: done before this step's kernels started
         self._inflight = flight
         if not self.async_scheduling:
             self.flush()  # this step's tokens (waits for its kernels)
         if self.check_invariants:
             self.allocator.check(self.scheduler.running)
-        return StepStats(sum(n for _, n in scheduled) - decode, decode, len(samplers),
+        tokens = int(self.scheduler.query_lens.sum()) if scheduled is self.scheduler._last else sum(n for _, n in scheduled)
+        return StepStats(tokens - decode, decode, len(samplers),
                          time.perf_counter() - start)
 
     def _launch(self, scheduled: list[tuple[Request, int]], trial: bool = False
@@ -633,9 +681,9 @@ class Engine:
         else:
             with vattn.set_forward_context(self.kv.build_metadata(common), self.cfg):
                 hidden = self.forward_fn(input_ids, positions)
-        samplers = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+        _, samplers, _, hot, _, _ = self._samplers(scheduled)
         temp = top_p = None
-        if any(r.sampling.temperature > 0 for r in samplers):
+        if hot:
             temp = torch.tensor([r.sampling.temperature for r in samplers], device=self.device)
             top_p = torch.tensor([r.sampling.top_p for r in samplers], device=self.device)
         sampled = None
@@ -650,6 +698,26 @@ class Engine:
         if self.token_sync is not None:
             sampled = self.token_sync(sampled)
         return sampled, samplers
+
+    def _samplers(self, scheduled: list[tuple[Request, int]]
+                  ) -> tuple[object, list[Request], bool, bool, dict[int, int], int]:
+        """(``scheduled``, the requests that sample in row order, whether all do, whether any
+        samples with temperature, req_id -> row, decode tokens). Kept while the scheduler
+        returns the same steady schedule (its requests, all decoding, do not change)."""
+        cached = self._sampler_cache
+        if cached is not None and cached[0] is scheduled and scheduled is self.scheduler._steady:
+            if self._sampler_step != self.step_count:  # a later step: its prompts are all cached by now
+                cached = self._sampler_cache = cached[:5] + (len(scheduled),)
+                self._sampler_step = self.step_count
+            return cached
+        samplers = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+        # A decode computes one generated token; everything else is (chunked) prefill or recompute.
+        decode = sum(1 for r, n in scheduled if n == 1 and r.num_computed_tokens >= len(r.prompt_token_ids))
+        out = (scheduled, samplers, len(samplers) == len(scheduled), any(r.sampling.temperature > 0 for r in samplers),
+               {r.req_id: i for i, r in enumerate(samplers)}, decode)
+        self._sampler_cache = out if scheduled is self.scheduler._steady else None
+        self._sampler_step = self.step_count
+        return out
 
     def _isolate(self, scheduled: list[tuple[Request, int]], error: Exception) -> list[Request] | None:
         """The requests of a step that raised ``error`` which make it raise on their own, each

@@ -161,30 +161,3 @@ def test_decode_loop_counts_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert modes == ["warn", "default"] and len(out) == 2
     assert res["syncs_per_step"] == 1.0
     assert "test_generate.py" in res["sync_sites"] and "synchronizing" in res["sync_sites"]
-
-
-def test_block_tables_rows_follow_requests_and_grow() -> None:
-    """The scheduler's numpy block tables give each request's own ids as it gains blocks, reuse
-    released rows, and grow past their first rows and columns."""
-    import random
-
-    from examples.engine import BlockTables
-
-    tables, owned = BlockTables(rows=1, width=2), {}
-    rng = random.Random(0)
-    next_block = 0
-    for _ in range(200):
-        req = rng.randrange(6)
-        if req in owned and rng.random() < 0.3:
-            tables.release(req)
-            del owned[req]
-            continue
-        blocks = list(range(next_block, next_block + rng.randrange(1, 4)))
-        next_block += len(blocks)
-        tables.extend(req, len(owned.get(req, [])), blocks)
-        owned.setdefault(req, []).extend(blocks)
-        ids = sorted(owned)
-        width = max(len(owned[r]) for r in ids)
-        got = tables.gather(ids, width)
-        for row, r in zip(got, ids):
-            assert row[: len(owned[r])].tolist() == owned[r]

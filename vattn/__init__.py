@@ -41,6 +41,7 @@ from vattn.config import (
 )
 from vattn.forward_context import ForwardContext, get_forward_context, set_forward_context
 from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache
+from vattn.input_batch import InputBatch
 from vattn.metadata import build_common_attn_metadata
 from vattn.layer import Attention
 from vattn.mla_layer import MLAAttention
@@ -101,6 +102,7 @@ __all__ = [
     "set_kv_cache_layout",
     "split_decodes_and_prefills",
     "VattnConfig",
+    "InputBatch",
 ]
 
 #: Loaded on first use (name -> (module, attribute; None: the module itself)).
