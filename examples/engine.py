@@ -8,7 +8,7 @@ Three pieces, each a few dozen lines:
   running requests, then newly arrived requests. When the cache is full it preempts the
   most recently admitted request (its blocks are freed; it is recomputed later).
 * ``Engine`` turns the schedule into ``input_ids``/``positions`` and vattn metadata
-  (``vattn.build_common_attn_metadata`` -> ``kv.build_metadata``), runs the model in
+  (the scheduler's ``vattn.InputBatch`` rows -> ``kv.build_metadata``), runs the model in
   ``vattn.set_forward_context``, samples, and feeds the tokens back.
 
 Async scheduling (the default, as vLLM's ``async_scheduling``): the host prepares and
