@@ -25,12 +25,14 @@ Writes ``host-step-<device>-<date>.json`` to $OUT (if set) or benchmarks/results
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,16 +55,17 @@ BLOCK = 16
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,64,256")
-    p.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per batch size and round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds over the batch sizes")
     p.add_argument("--context", type=int, default=256, help="prompt tokens (spread over one block)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--backend", default="TRITON_ATTN")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="100 steps")
+    p.add_argument("--quick", action="store_true", help="100 steps, 2 rounds")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]
     if args.quick:
-        args.steps = min(args.steps, 100)
+        args.steps, args.rounds = min(args.steps, 100), min(args.rounds, 2)
     return args
 
 
@@ -85,7 +88,10 @@ class StubModel(DecoderForCausalLM):
 def build(args: argparse.Namespace, batch: int) -> Engine:
     """An engine whose ``batch`` requests have prefilled and decode from now on."""
     device = torch.device(args.device)
-    max_len = args.context + BLOCK + 3 * args.steps + 64
+    # Early requests decode while later ones prefill: none may finish before the last timed step.
+    budget = max(512, batch)
+    decode_steps = -(-batch * (args.context + BLOCK) // budget) + 20 + 2 * args.rounds * args.steps + 16
+    max_len = args.context + BLOCK + decode_steps + 64
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK))
     mc = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=args.layers,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=max_len)
@@ -94,10 +100,10 @@ def build(args: argparse.Namespace, batch: int) -> Engine:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kv = vattn.allocate_kv_cache(cfg, num_blocks=batch * -(-max_len // BLOCK) + 8, device=device, dtype=dtype)
     model.setup_stub(max(512, batch), device)
-    engine = Engine(model, cfg, kv, device=device, max_num_batched_tokens=max(512, batch), max_num_seqs=batch)
+    engine = Engine(model, cfg, kv, device=device, max_num_batched_tokens=budget, max_num_seqs=batch)
     for i in range(batch):
         engine.add_request([1 + (j % 100) for j in range(args.context + i % BLOCK)],
-                           SamplingParams(max_tokens=3 * args.steps + 32))
+                           SamplingParams(max_tokens=decode_steps))
     while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
                                           for r in engine.scheduler.running):
         engine.step()
@@ -106,39 +112,53 @@ def build(args: argparse.Namespace, batch: int) -> Engine:
     return engine
 
 
+@contextlib.contextmanager
+def _timed(engine: Engine, timer: PhaseTimer) -> Iterator[None]:
+    """Time the parts of ``engine.step`` while inside (instance attributes, taken off on exit)."""
+    sch = engine.scheduler
+    parts = [(sch, "schedule", "schedule"), (engine, "_prepare", "prepare"),
+             (engine.kv, "build_metadata", "build_metadata"), (sch, "update", "update"), (engine, "flush", "flush"),
+             (engine.model, "compute_logits", "logits")]
+    if hasattr(sch, "batch"):  # (an engine before vattn.InputBatch has no such part)
+        parts.append((sch.batch, "prepare", "input_batch"))
+    for owner, attr, name in parts:
+        setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
+    try:
+        with mock.patch.object(engine_mod, "sample", timer.wrap("sample", engine_mod.sample)):
+            yield
+    finally:
+        for owner, attr, _ in parts:
+            delattr(owner, attr)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     env = common.env_info(args.device)
+    # The host's speed drifts by tens of percent within seconds: the batch sizes take turns,
+    # ``--rounds`` rounds of ``--steps`` steps each, and each figure is the median over all rounds.
+    engines = {b: build(args, b) for b in common.progress(args.batches, "prefill")}
+    times: dict[int, list[float]] = {b: [] for b in args.batches}
+    rounds: dict[int, list[float]] = {b: [] for b in args.batches}
+    timers = {b: PhaseTimer() for b in args.batches}
+    for _ in common.progress(range(args.rounds), "rounds"):
+        for batch, engine in engines.items():
+            t_round = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                engine.step()
+                t_round.append(time.perf_counter() - t)
+            times[batch] += t_round
+            rounds[batch].append(statistics.median(t_round))
+            with _timed(engine, timers[batch]):
+                for _ in range(args.steps // 2):
+                    engine.step()
     rows = []
-    for batch in common.progress(args.batches, "host step"):
-        engine = build(args, batch)
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        timer = PhaseTimer()
-        sch = engine.scheduler
-        parts = [(sch, "schedule", "schedule"), (engine, "_prepare", "prepare"),
-                 (getattr(sch, "batch", vattn), "prepare" if hasattr(sch, "batch") else "build_common_attn_metadata",
-                  "input_batch"),  # (an engine before InputBatch: its stateless metadata helper)
-                 (engine.kv, "build_metadata", "build_metadata"), (engine_mod, "sample", "sample"),
-                 (sch, "update", "update"), (engine, "flush", "flush")]
-        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in parts]
-        for owner, attr, name in parts:
-            setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
-        for _ in range(args.steps):
-            engine.step()
-        for owner, attr, fn in saved:
-            if owner is engine_mod or owner is vattn:
-                setattr(owner, attr, fn)
-            else:
-                delattr(owner, attr) if attr in vars(owner) else setattr(owner, attr, fn)
+    for batch, engine in engines.items():
         engine.flush()
         rows.append({"batch": batch, "backend": args.backend, "layers": args.layers, "context": args.context,
-                     "step_us": 1e6 * statistics.median(times),
-                     **{f"{k}_us": 1e3 * v for k, v in timer.medians_ms().items()}})
-        del engine
+                     "step_us": 1e6 * statistics.median(times[batch]),
+                     "round_medians_us": [1e6 * x for x in rounds[batch]],
+                     **{f"{k}_us": 1e3 * v for k, v in timers[batch].medians_ms().items()}})
     by = {r["batch"]: r["step_us"] for r in rows}
     summary: dict[str, Any] = {"steps": args.steps, "step_us": by}
     if 64 in by and 256 in by:
@@ -146,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = common.write_results("host-step", {"benchmark": "host-step", "env": env, "summary": summary, "rows": rows},
                                 path=common.result_path("host-step", env))
     for r in rows:
-        phases = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us") and k != "step_us")
+        phases = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us") and k not in ("step_us", "round_medians_us"))
         print(f"batch {r['batch']}: step {r['step_us']:.1f} us ({phases})")
     print(f"wrote {path}")
     return {"summary": summary, "rows": rows}

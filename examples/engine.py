@@ -200,6 +200,11 @@ class Scheduler:
         # steady state: the next one is the same requests, one token each), with its rows.
         self._steady: list[tuple[Request, int]] | None = None
         self._last: list[tuple[Request, int]] | None = None
+        self._steady_reqs: list[Request] = []
+        #: The steady schedule's requests' ``output_token_ids`` lists, in its order.
+        self.steady_outputs: list[list[int]] = []
+        self._outputs_left = np.zeros(0, dtype=np.int64)  # outputs each steady request has still to sample
+        self._blocks_left = np.zeros(0, dtype=np.int64)  # blocks each steady request may still take
         self.rows = np.zeros(0, dtype=np.int64)  # the last schedule's rows, in its order
         self.query_lens = np.zeros(0, dtype=np.int64)  # ... and new tokens
 
@@ -265,23 +270,46 @@ class Scheduler:
         if steady is not None and len(steady) == len(self.running) and not (
                 self.waiting and self.waiting[0].arrival_step <= step and len(self.running) < self.max_num_seqs
                 and self.max_num_batched_tokens > len(steady)):
-            starts = np.flatnonzero(self.batch.num_computed_tokens[self.rows] % self.block_size == 0)
-            if not starts.size:
+            room = self.batch.capacity[self.rows] - self.batch.num_computed_tokens[self.rows]
+            if room.min() > 0:  # every request's next token has a slot
                 return steady
-            reqs = [steady[i][0] for i in starts.tolist()]
-            blocks = self.allocator.allocate_each([r.req_id for r in reqs])
-            if blocks is not None:  # else the full schedule below preempts
-                self.batch.append_block_each(self.rows[starts], np.array(blocks))
-                for r, b in zip(reqs, blocks):
-                    r.block_ids.append(b)
+            if self._top_up(room):
                 return steady
         out = self._schedule(step)
         self.rows = np.fromiter((r.row for r, _ in out), dtype=np.int64, count=len(out))
+        self.rows.setflags(write=False)  # InputBatch.prepare checks a read-only rows array once
         self.query_lens = np.fromiter((n for _, n in out), dtype=np.int64, count=len(out))
         self._last = out
         decodes = len(out) == len(self.running) and all(n == 1 and r.num_remaining == 1 for r, n in out)
         self._steady = out if decodes and out else None
+        if self._steady is not None:  # what ``update`` touches per request, gathered once
+            reqs = [r for r, _ in out]
+            self._steady_reqs = reqs
+            self.steady_outputs = [r.output_token_ids for r in reqs]
+            self._outputs_left = np.fromiter((r.sampling.max_tokens - len(r.output_token_ids) for r in reqs),
+                                             dtype=np.int64, count=len(reqs))
+            bs = self.block_size
+            self._blocks_left = np.fromiter(  # blocks each may still take: up to its last token's
+                (-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // bs) - len(r.block_ids) for r in reqs),
+                dtype=np.int64, count=len(reqs))
         return out
+
+    def _top_up(self, room: np.ndarray) -> bool:
+        """A block more for each steady request that needs one within ``block_size`` steps (and
+        may still grow), so that blocks are appended once per ``block_size`` steps for the whole
+        batch rather than a few every step; where the free blocks do not reach, only for those
+        that need one now. False (nothing taken) if even those do not fit: the full schedule then
+        preempts. ``room``: (B,) free slots of each steady request's blocks."""
+        for rows in (np.flatnonzero((room < self.block_size) & (self._blocks_left > 0)), np.flatnonzero(room <= 0)):
+            reqs = [self._steady_reqs[i] for i in rows.tolist()]
+            blocks = self.allocator.allocate_each([r.req_id for r in reqs])
+            if blocks is not None:
+                self.batch.append_block_each(self.rows[rows], np.array(blocks))
+                self._blocks_left[rows] -= 1
+                for r, b in zip(reqs, blocks):
+                    r.block_ids.append(b)
+                return True
+        return False
 
     def _schedule(self, step: int) -> list[tuple[Request, int]]:
         budget = self.max_num_batched_tokens
@@ -327,6 +355,21 @@ class Scheduler:
     def update(self, scheduled: list[tuple[Request, int]], sampled: dict[int, int] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens (``req_id -> token``; None: every
         scheduled request samples ``PENDING``); returns the newly finished requests."""
+        if sampled is None and scheduled is self._steady:  # one token and one output each
+            self.batch.num_computed_tokens[self.rows] += 1
+            for req in self._steady_reqs:
+                req.num_computed_tokens += 1
+            for out in self.steady_outputs:
+                out.append(PENDING)
+            self._outputs_left -= 1
+            done = [self._steady_reqs[i] for i in np.flatnonzero(self._outputs_left <= 0).tolist()]
+            for req in done:
+                self._release(req)
+                self.running.remove(req)
+                self.finished.append(req)
+            return done
+        if scheduled is self._steady:  # its per-request counts are not kept below: schedule afresh
+            self._steady = None
         if scheduled is self._last:  # the batch's rows are this schedule's: advance them at once
             self.batch.num_computed_tokens[self.rows] += self.query_lens
         else:
@@ -405,7 +448,8 @@ class _InFlight:
     host: torch.Tensor  # (S,) int64 on the host (pinned on CUDA), written by a non-blocking copy
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU: the copy is done)
     rows: dict[int, int]  # req_id -> row of ``tokens``
-    owners: list[tuple[Request, int]]  # (request, index in its output_token_ids) per row
+    outputs: list[list[int]]  # per row, the ``output_token_ids`` its token goes into ...
+    index: list[int]  # ... at this index (its PENDING entry)
     scheduled: list[tuple[Request, int]]  # the step's schedule (the scheduler's list object)
     every: bool  # every scheduled request samples, in schedule order (rows 0..S-1)
 
@@ -582,7 +626,7 @@ class Engine:
             qlens = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
         if (flight is not None and scheduled is flight.scheduled and flight.every
                 and self.pad_tokens_to == 1 and scheduled is sch._steady):
-            common = sch.batch.prepare(rows, qlens)
+            common = sch.batch.prepare(rows)  # one token each
             positions = torch.from_numpy(sch.batch.num_computed_tokens[rows])
             if self._pin:
                 positions = positions.pin_memory().to(self.device, non_blocking=True)
@@ -658,7 +702,9 @@ class Engine:
         _, _, every, _, rows, decode = self._samplers(scheduled)
         host, done = self._send_to_host(sampled)
         self.scheduler.update(scheduled, None if every else {r.req_id: PENDING for r in samplers})
-        flight = _InFlight(sampled, host, done, rows=rows, owners=[(r, len(r.output_token_ids) - 1) for r in samplers],
+        steady = scheduled is self.scheduler._steady and every
+        outputs = self.scheduler.steady_outputs if steady else [r.output_token_ids for r in samplers]
+        flight = _InFlight(sampled, host, done, rows=rows, outputs=outputs, index=[n - 1 for n in map(len, outputs)],
                            scheduled=scheduled, every=every)
         self.flush()  # the previous step's tokens: done before this step's kernels started
         self._inflight = flight
@@ -807,8 +853,8 @@ class Engine:
             return
         if flight.done is not None:
             flight.done.synchronize()
-        for (req, i), token in zip(flight.owners, flight.host.tolist()):
-            req.output_token_ids[i] = token
+        for out, i, token in zip(flight.outputs, flight.index, flight.host.tolist()):
+            out[i] = token
 
     def run(self, on_step: Callable[[StepStats], None] | None = None) -> list[StepStats]:
         """Step until every request has finished; returns the per-step stats."""

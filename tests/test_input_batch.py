@@ -154,9 +154,10 @@ def test_bad_input_is_refused_where_it_enters() -> None:
 
 
 def test_engine_steady_decoding_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The example engine's steady path (same schedule again, new blocks appended at once, input
-    ids from the step in flight) gives the tokens of the general path, with requests arriving,
-    crossing blocks and finishing at different steps."""
+    """The example engine's steady path (same schedule again, blocks topped up for the whole batch
+    at once, input ids from the step in flight) gives the tokens of the general path, with
+    requests arriving, crossing blocks and finishing at different steps (allocator invariants
+    checked every step)."""
     import sys
     from pathlib import Path
 
@@ -189,11 +190,22 @@ def test_engine_steady_decoding_gives_the_same_tokens(monkeypatch: pytest.Monkey
             return out
 
         monkeypatch.setattr(engine.scheduler, "schedule", counted)
+        top_up = engine.scheduler._top_up
+
+        def counted_top_up(room: np.ndarray) -> bool:
+            nonlocal top_ups
+            top_ups += 1
+            return top_up(room)
+
+        monkeypatch.setattr(engine.scheduler, "_top_up", counted_top_up)
         engine.run()
         return [r.output_token_ids for r in reqs], hits
 
-    (fast, hits), (slow, none) = run(True), run(False)
-    assert fast == slow and hits > 5 and none == 0
+    top_ups = 0
+    (fast, hits), fast_top_ups = run(True), top_ups
+    top_ups = 0
+    slow, none = run(False)
+    assert fast == slow and hits > 5 and fast_top_ups > 0 and none == 0 == top_ups
 
 
 def test_bench_host_step_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]

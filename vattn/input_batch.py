@@ -38,6 +38,7 @@ import torch
 
 from vattn.backends.abstract import CommonAttentionMetadata
 from vattn.backends.batch_checks import StepChecks, fail
+from vattn.metadata import _int_kind
 
 __all__ = ["InputBatch"]
 
@@ -48,11 +49,7 @@ def _ids(name: str, values: Sequence[int] | np.ndarray | torch.Tensor) -> np.nda
     """``values`` as a flat int64 array, or ``TypeError`` naming ``name`` for anything but integers."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    arr = np.asarray(values)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected integers, got dtype {arr.dtype} ({arr.reshape(-1)[:6].tolist()}); "
-                        "pass a list of Python ints or an integer array.")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+    return _int_kind(name, np.asarray(values), "pass a list of Python ints or an integer array.").reshape(-1)
 
 
 def _positive(name: str, value: object) -> int:
@@ -98,10 +95,15 @@ class InputBatch:
         #: (R,) int64: tokens each row has in the cache before the next step (the caller advances it).
         self.num_computed_tokens = np.zeros(self.max_num_reqs, dtype=np.int64)
         self._live = np.zeros(self.max_num_reqs, dtype=np.int64)  # 1: the row is in use
-        self._capacity = np.zeros(self.max_num_reqs, dtype=np.int64)  # tokens each row's blocks hold
+        #: (R,) int64: tokens each row's blocks hold (``num_blocks_per_row * block_size``; read only).
+        self.capacity = np.zeros(self.max_num_reqs, dtype=np.int64)
         self._holders = np.zeros(self.num_blocks, dtype=np.int32)  # rows holding each block
         self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
         self._max_block = -1  # the largest block id ever appended (a bound for StepChecks)
+        self._epoch = 0  # rows added or freed so far
+        self._rows_checked: np.ndarray | None = None  # a read-only rows array prepare checked ...
+        self._rows_epoch = -1  # ... at this epoch
+        self._arange = np.arange(self.max_num_reqs + 1, dtype=np.int32)
         # The staging layout: qsl (R+1) int32, seq (R) int32, slots (T) int64, table (R, W) int32.
         r, t, w = self.max_num_reqs, self.max_num_tokens, self.max_blocks_per_req
         self._nbytes = sum(-(-n // _ALIGN) * _ALIGN for n in (4 * (r + 1), 4 * r, 8 * t, 4 * r * w))
@@ -127,9 +129,10 @@ class InputBatch:
             fail("InputBatch.add_row: num_computed_tokens", "an int >= 0", repr(num_computed_tokens),
                  "pass the tokens the request already has in the cache")
         row = self._free_rows.pop()
+        self._epoch += 1
         self._live[row] = 1
         self.num_blocks_per_row[row] = 0
-        self._capacity[row] = 0
+        self.capacity[row] = 0
         self.num_computed_tokens[row] = num_computed_tokens
         try:
             self.append_blocks(row, block_ids)
@@ -165,7 +168,7 @@ class InputBatch:
                  "give every block_size positions of a request a block of their own")
         self.block_table[row, start:end] = ids
         self.num_blocks_per_row[row] = end
-        self._capacity[row] = end * self.block_size
+        self.capacity[row] = end * self.block_size
         self._holders[ids] += 1  # distinct ids: no repeated index
         self._max_block = max(self._max_block, int(ids.max()))
 
@@ -196,7 +199,7 @@ class InputBatch:
                  "raise max_blocks_per_req to the longest request's blocks")
         self.block_table[rows, ends] = ids
         self.num_blocks_per_row[rows] = ends + 1
-        self._capacity[rows] = (ends + 1) * self.block_size
+        self.capacity[rows] = (ends + 1) * self.block_size
         self._holders[ids] += 1
         self._max_block = max(self._max_block, int(ids.max()))
 
@@ -206,10 +209,11 @@ class InputBatch:
         n = int(self.num_blocks_per_row[row])
         self._holders[self.block_table[row, :n]] -= 1  # distinct within a row
         self.num_blocks_per_row[row] = 0
-        self._capacity[row] = 0
+        self.capacity[row] = 0
         self.num_computed_tokens[row] = 0
         self._live[row] = 0
         self._free_rows.append(row)
+        self._epoch += 1
 
     def _check_row(self, row: object) -> None:
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.max_num_reqs \
@@ -219,32 +223,44 @@ class InputBatch:
 
     # ---- a step ---------------------------------------------------------------------------------
 
-    def prepare(self, rows: np.ndarray, query_lens: np.ndarray, *, num_tokens_padded: int | None = None,
+    def prepare(self, rows: np.ndarray, query_lens: np.ndarray | None = None, *, num_tokens_padded: int | None = None,
                 causal: bool = True) -> CommonAttentionMetadata:
         """One step's metadata for ``rows`` ((B,) int, distinct rows in use, decodes first) with
-        ``query_lens`` ((B,) int >= 0) new tokens each, at positions ``num_computed_tokens[row] ...``.
+        ``query_lens`` ((B,) int >= 0; None: one each, a decode batch) new tokens each, at
+        positions ``num_computed_tokens[row] ...``.
 
         Checks, vectorized: rows in use and distinct, lengths >= 0, each row's blocks cover its
         new tokens, and no token is written into a block another row holds. Nothing is written
-        to the cache here. ``num_tokens_padded``: pad the tokens to this many (slot -1)."""
+        to the cache here. ``num_tokens_padded``: pad the tokens to this many (slot -1).
+
+        A read-only ``rows`` array (``rows.setflags(write=False)``) checked by an earlier call is
+        not checked again while no row was added or freed: an engine that runs the same requests
+        step after step passes the same array."""
         rows = np.asarray(rows)
-        qlens = np.asarray(query_lens)
+        decode = query_lens is None
+        qlens = rows if decode else np.asarray(query_lens)  # (decode: only its dtype and shape are read)
         b = rows.shape[0]
         if rows.dtype.kind not in "iu" or qlens.dtype.kind not in "iu" or qlens.shape != (b,) or rows.ndim != 1:
             fail("InputBatch.prepare: rows / query_lens", "two 1-D integer arrays of one length",
                  f"{rows.dtype}{tuple(rows.shape)} and {qlens.dtype}{tuple(qlens.shape)}",
                  "pass one row (add_row's result) and one new-token count per request")
-        if b:
+        if b and not (rows is self._rows_checked and self._rows_epoch == self._epoch):
             # One count per row covers range, use and distinctness (bincount refuses negatives).
             counts = np.bincount(rows, minlength=self.max_num_reqs) if rows.min() >= 0 else None
             if counts is None or counts.shape[0] != self.max_num_reqs or (counts > self._live).any():
                 fail("InputBatch.prepare: rows", "distinct rows in use (add_row's results)", rows.tolist()[:16],
                      "schedule each request once, by the row add_row returned")
+            if not rows.flags.writeable and rows.base is None:
+                self._rows_checked, self._rows_epoch = rows, self._epoch
+        if not decode:
+            qlens = qlens.astype(np.int64, copy=False)
         computed = self.num_computed_tokens[rows]
-        seq = computed + qlens
-        if b and (qlens.min() < 0 or computed.min() < 0 or (seq > self._capacity[rows]).any()):
-            self._explain(rows, qlens, computed, seq)
-        num_tokens = int(qlens.sum())
+        seq = computed + 1 if decode else computed + qlens
+        # Counts >= 0 and blocks covering the new tokens, in one reduction: (x | y) < 0 iff either is.
+        room = self.capacity[rows] - seq
+        if b and (room | computed if decode else room | computed | qlens).min() < 0:
+            self._explain(rows, np.ones(b, np.int64) if decode else qlens, computed, seq)
+        num_tokens = b if decode else int(qlens.sum())
         t_pad = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
         if not num_tokens <= t_pad <= self.max_num_tokens:
             fail("InputBatch.prepare: tokens", f"between the step's {num_tokens} tokens and max_num_tokens = "
@@ -252,10 +268,14 @@ class InputBatch:
         max_seq = int(seq.max(initial=0))
         width = max(-(-max_seq // self.block_size), 1)
         (qsl, seq_v, slots, table), (qsl_d, seq_d, slot_d, table_d), end = self._buffers(b, t_pad, width)
-        qsl[0] = 0
-        np.cumsum(qlens, out=qsl[1:])
         seq_v[:] = seq
-        max_q = int(qlens.max(initial=0))
+        if decode:
+            qsl[:] = self._arange[: b + 1]
+            max_q = min(b, 1)
+        else:
+            qsl[0] = 0
+            np.cumsum(qlens, out=qsl[1:])
+            max_q = int(qlens.max(initial=0))
         if max_q == 1 and num_tokens == b:  # decodes: one token each, at the computed count
             req, pos = rows, computed
         else:
@@ -271,7 +291,7 @@ class InputBatch:
         np.multiply(written, self.block_size, out=slots[:num_tokens])
         slots[:num_tokens] += pos % self.block_size
         slots[num_tokens:] = -1
-        np.take(self.block_table[:, :width], rows, axis=0, out=table)
+        self.block_table[:, :width].take(rows, axis=0, out=table)
         self._copy(end)
         qsl_c, seq_c = torch.from_numpy(qsl), torch.from_numpy(seq_v)
         checks = StepChecks(refs=(qsl_c, seq_c, table_d, slot_d), device=self.device, max_seq_len=max_seq,
@@ -288,7 +308,7 @@ class InputBatch:
         if qlens.min() < 0 or computed.min() < 0:
             fail("InputBatch.prepare: query_lens / num_computed_tokens", "counts >= 0",
                  f"{qlens.tolist()[:16]} / {computed.tolist()[:16]}", "pass one new-token count >= 0 per request")
-        i = int(np.nonzero(seq > self._capacity[rows])[0][0])
+        i = int(np.nonzero(seq > self.capacity[rows])[0][0])
         r = int(rows[i])
         fail(f"InputBatch.prepare: row {r}", f"ceil({int(seq[i])} / {self.block_size}) = "
              f"{-(-int(seq[i]) // self.block_size)} blocks for its {int(computed[i])} cached + {int(qlens[i])} new "
