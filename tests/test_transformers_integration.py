@@ -184,6 +184,45 @@ def test_compiled_warm_start_from_cache_dir(family: str, tmp_path: Path) -> None
     assert [Path(first.trace_path)] == sorted(tmp_path.glob("*.dynamo"))
 
 
+_WARM_START_SCRIPT = """
+import sys, torch, vattn
+sys.path.insert(0, {root!r})
+from examples.engine import Engine, SamplingParams
+from examples.hf_model import random_model, tiny_config
+from vattn.integrations import transformers as vt
+torch.manual_seed(0)
+cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=16), compilation=vattn.CompilationConfig(cache_dir={cache!r}))
+model = vt.wrap(random_model(tiny_config({family!r})), cfg)
+kv = vattn.allocate_kv_cache(cfg, num_blocks=32, dtype=torch.float32)
+compiled = vattn.compile(model, cfg)
+engine = Engine(model, cfg, kv, device="cpu", forward_fn=compiled)
+for p in ([3, 4, 5, 6, 7], [9, 10]):
+    engine.add_request(p, SamplingParams(max_tokens=4))
+engine.run()
+print("RESULT", compiled.trace_loaded, compiled.backend.counter.num_graphs_seen)
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_warm_start_in_a_new_process_traces_nothing(family: str, tmp_path: Path) -> None:
+    """The stored trace of a wrapped model holds in a later process: its guards on the RMSNorm
+    modules (whose class ``wrap`` swaps at run time) name that class, found again by name, so the
+    loaded trace serves every call, with no second trace and no warning about one."""
+    from vattn.compile_passes import aot_cache
+
+    if aot_cache.aot_supported() is not None:
+        pytest.skip(f"{aot_cache.aot_supported()}: cache_dir is ignored on this torch")
+    script = _WARM_START_SCRIPT.format(root=str(ROOT), cache=str(tmp_path), family=family)
+    results = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results.append((r.stdout.split("RESULT")[-1].split(), r.stderr))
+    (first, _), (second, err) = results
+    assert first == ["False", "1"] and second == ["True", "1"], results
+    assert "a second time" not in err and "fails the guards" not in err
+
+
 def test_wrap_packs_projections_in_place_unless_told_not_to() -> None:
     """The packed parameters are the model's own Parameter objects (an optimizer or a weight-sync
     map taken before ``wrap`` still reaches them); ``pack_projections=False`` leaves them alone."""

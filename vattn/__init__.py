@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vattn._version import __version__
+import torch
+
+from vattn._compat import check_torch
+
+check_torch(torch.__version__)
+
+from vattn._version import __version__  # noqa: E402
 from vattn.backends.abstract import (
     AttentionBackend,
     AttentionCGSupport,
@@ -40,8 +46,8 @@ from vattn.config import (
     set_current_vattn_config,
 )
 from vattn.forward_context import ForwardContext, get_forward_context, set_forward_context
-from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache
 from vattn.input_batch import InputBatch
+from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache
 from vattn.metadata import build_common_attn_metadata
 from vattn.layer import Attention
 from vattn.mla_layer import MLAAttention

@@ -11,7 +11,7 @@ from torch import nn
 import vattn.ops  # noqa: F401  (registers the vattn:: ops)
 from vattn import envs
 from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, AttentionType, is_fp8_kv_cache
-from vattn.backends.checks import check_layer_args, check_mods
+from vattn.backends.checks import check_layer_args, check_mods, validate_kv_sharing_target
 from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.ops.attention import run_layer
@@ -20,7 +20,7 @@ from vattn.ops.library import eager_direct_ok
 from vattn.ops.quant_fp8 import GroupShape, QuantFP8
 from vattn.ops.rotary import rope_args
 from vattn.platform import current_platform
-from vattn.selector import backend_name_to_enum, get_attn_backend
+from vattn.selector import TRANSFORMERS_NAMES, backend_name_to_enum, get_attn_backend, implemented_names, warn_if_slow_here
 
 __all__ = ["Attention", "KVCacheQuantMethod", "QuantizationConfig"]
 
@@ -43,23 +43,13 @@ class QuantizationConfig(Protocol):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> KVCacheQuantMethod | None: ...
 
 
-def validate_kv_sharing_target(layer_name: str, target: str, context: dict[str, Any]) -> None:
-    """KV sharing: the target exists, was built earlier, and has the same attention type."""
-    if target == layer_name or target not in context:
-        raise ValueError(
-            f"kv_sharing_target_layer_name={target!r} for layer {layer_name!r}: expected the prefix "
-            f"of an attention layer built before this one (known: {list(context)[:8]}); build the "
-            "target layer first and pass its exact prefix."
-        )
-
-
 def _resolve_backend(attn_backend: type[AttentionBackend] | str | None, features: dict[str, Any],
                      **select: Any) -> type[AttentionBackend]:
     """The selected backend, or the given one after checking it can serve the layer
     (``select``: ``validate_configuration``'s arguments; ``features``: ``feature_reasons``')."""
     if attn_backend is None:
-        return get_attn_backend(**select, **features)
-    backend = _backend_class(attn_backend)
+        return warn_if_slow_here(get_attn_backend(**select, **features))
+    backend = warn_if_slow_here(_backend_class(attn_backend))
     reasons = backend.validate_configuration(**select) + backend.feature_reasons(**features)
     if reasons:
         raise ValueError(
@@ -74,8 +64,10 @@ def _backend_class(attn_backend: type[AttentionBackend] | str) -> type[Attention
         backend = backend_name_to_enum(attn_backend)
         if backend is None:
             raise ValueError(
-                f"attn_backend={attn_backend!r} is not a backend name; valid: "
-                f"{[m.name for m in AttentionBackendEnum]}."
+                f"attn_backend={attn_backend!r} is not a backend name; implemented: {implemented_names()} "
+                f"(transformers' names {sorted(TRANSFORMERS_NAMES)} are taken too), or None to select automatically"
+                + ("; transformers' 'eager' attention has no kernel of its own here: 'sdpa' (TORCH_SDPA) computes "
+                   "the same attention." if attn_backend.strip().lower() == "eager" else ".")
             )
         return backend.get_class()
     if isinstance(attn_backend, type) and issubclass(attn_backend, AttentionBackend):
@@ -107,6 +99,7 @@ class Attention(nn.Module, AttentionLayerBase):
         quant_config: fp8 checkpoint config providing k/v scales (see ``QuantizationConfig``).
         logits_soft_cap: ``cap * tanh(s / cap)`` applied to the scores.
         per_layer_sliding_window: this layer's window (overrides ``cache_config.sliding_window``).
+        use_mla / use_sparse: select among MLA (sparse MLA) backends; ``vattn.MLAAttention`` sets them.
         prefix: unique layer name, e.g. ``"model.layers.0.self_attn.attn"``.
         attn_type: one of ``AttentionType``.
         kv_sharing_target_layer_name: reuse an earlier layer's KV cache.
@@ -116,7 +109,8 @@ class Attention(nn.Module, AttentionLayerBase):
             FLEX_ATTENTION (selected for them); see ``vattn.backends.flex_attention.mods``.
         **extra_impl_args: passed to the backend impl, e.g. ``sinks`` (H,) float tensor.
 
-    ``forward(query (T, H*D), key (T, Hk*D), value (T, Hk*D), rope=None) -> (T, H*D)``; with
+    ``forward(query (T, H*D), key (T, Hk*D), value (T, Hk*D), output_shape=None, rope=None) -> (T, H*D)``
+    (``output_shape``: the output's shape when it differs, as vLLM's MLA passes it); with
     ``rope=(cos, sin)``, each (T, D), q and key are unrotated; the step's
     metadata comes from ``vattn.set_forward_context``. The model dtype is
     ``torch.get_default_dtype()`` at construction (build the model under the dtype it runs in).

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import Iterator
 
 import torch
@@ -70,8 +71,48 @@ def backend_name_to_enum(backend_name: str) -> AttentionBackendEnum | None:
         raise TypeError(
             f"backend_name must be a str such as 'TORCH_SDPA', got {type(backend_name).__name__}."
         )
-    key = backend_name.strip().upper()
-    return AttentionBackendEnum.__members__.get(key)
+    key = backend_name.strip()
+    alias = TRANSFORMERS_NAMES.get(key.lower())
+    return AttentionBackendEnum[alias] if alias else AttentionBackendEnum.__members__.get(key.upper())
+
+
+#: transformers' ``attn_implementation`` names, and the vattn backend that computes the same
+#: attention with the same library (``"eager"``, transformers' own matmul-softmax, has none).
+TRANSFORMERS_NAMES: dict[str, str] = {
+    "sdpa": "TORCH_SDPA",
+    "flash_attention_2": "FLASH_ATTN",
+    "flash_attention_3": "FLASH_ATTN",
+    "flex_attention": "FLEX_ATTENTION",
+}
+
+
+def warn_if_slow_here(backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """``backend``, after a warning (once per backend) where it runs on the CPU through a slow
+    reference path (its ``feature_notes["runs_on_cpu"]`` starts with "slow") and no CUDA GPU is
+    visible, naming the faster choice."""
+    note = backend.feature_notes.get("runs_on_cpu", "")
+    if note.startswith("slow") and not torch.cuda.is_available():
+        _warn_once(backend.get_name(), note)
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(name: str, note: str) -> None:
+    logger.warning("%s on the CPU: %s.", name, note)
+
+
+def implemented_names() -> list[str]:
+    """Names of the backends this version implements and can install (the ones worth suggesting;
+    not those it names only to say why they cannot run, as ``installable = False`` declares)."""
+    names = []
+    for m in AttentionBackendEnum:
+        if m.value and m.is_implemented():
+            try:
+                if m.get_class().installable:
+                    names.append(m.name)
+            except (ImportError, ValueError):
+                continue
+    return names
 
 
 def get_env_variable_attn_backend() -> AttentionBackendEnum | None:
@@ -82,8 +123,18 @@ def get_env_variable_attn_backend() -> AttentionBackendEnum | None:
     """
     name = envs.VATTN_ATTENTION_BACKEND
     if name is None:
+        _hint_vllm_variable()
         return None
     return _env_name_to_enum(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _hint_vllm_variable(value: str | None = None) -> None:
+    """Say once that vLLM's ``VLLM_ATTENTION_BACKEND`` is set but vattn reads its own variable."""
+    value = os.environ.get("VLLM_ATTENTION_BACKEND") if value is None else value
+    if value:
+        logger.warning("VLLM_ATTENTION_BACKEND=%s is set, but vattn reads %s (unset here): set %s=%s to choose "
+                       "this backend in vattn.", value, STR_BACKEND_ENV_VAR, STR_BACKEND_ENV_VAR, value)
 
 
 def _env_name_to_enum(name: str) -> AttentionBackendEnum:
@@ -103,7 +154,7 @@ def global_force_attn_backend(attn_backend: AttentionBackendEnum | str | None) -
     Overrides ``VATTN_ATTENTION_BACKEND``. A name string is accepted and must be valid.
     """
     if isinstance(attn_backend, str):
-        attn_backend = AttentionBackendEnum[attn_backend.strip().upper()]
+        attn_backend = backend_name_to_enum(attn_backend) or AttentionBackendEnum[attn_backend.strip().upper()]
     if attn_backend is not None and not isinstance(attn_backend, AttentionBackendEnum):
         raise TypeError(
             "global_force_attn_backend: attn_backend must be an AttentionBackendEnum member, a "
@@ -202,10 +253,17 @@ def get_attn_backend(
                   bool(use_mask_mod), bool(use_score_mod)),
         mla_dims=tuple(mla_dims) if mla_dims is not None else None,
         forced_backend=get_global_forced_attn_backend(),
-        env_backend=envs.VATTN_ATTENTION_BACKEND,
+        env_backend=_env_backend(),
         platform=current_platform,
         generation=registry_generation(),
     )
+
+
+def _env_backend() -> str | None:
+    name = envs.VATTN_ATTENTION_BACKEND
+    if name is None and "VLLM_ATTENTION_BACKEND" in os.environ:
+        _hint_vllm_variable(os.environ["VLLM_ATTENTION_BACKEND"])
+    return name
 
 
 def _not_implemented(backend: AttentionBackendEnum) -> bool:

@@ -310,3 +310,13 @@ def e4m3_cache_reasons(kv_cache_dtype: str | None) -> list[str]:
         return []
     return [f"kv_cache_dtype {kv_cache_dtype!r} needs compute capability 8.9 (Triton's e4m3), this GPU has "
             f"{major}.{minor}; use 'fp8_e5m2'"]
+
+
+def validate_kv_sharing_target(layer_name: str, target: str, context: dict[str, Any]) -> None:
+    """KV sharing: the target exists, was built earlier, and has the same attention type."""
+    if target == layer_name or target not in context:
+        raise ValueError(
+            f"kv_sharing_target_layer_name={target!r} for layer {layer_name!r}: expected the prefix "
+            f"of an attention layer built before this one (known: {list(context)[:8]}); build the "
+            "target layer first and pass its exact prefix."
+        )

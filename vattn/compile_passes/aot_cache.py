@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from vattn.compile_passes.trace_state import saving_trace
+
 if TYPE_CHECKING:
     from vattn.compile_passes.backend import VattnBackend
 
@@ -252,16 +254,22 @@ def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tupl
     from torch._dynamo.hooks import Hooks
 
     backend.serializable, backend.captured = True, None
+    token = saving_trace.set(True)
     try:
         fn = aot_compile_fullgraph(model, (args, kwargs), hooks=Hooks(guard_filter_fn=_storable_guards),
                                    backend=backend, dynamic=False)
     finally:
         backend.serializable = False
+        saving_trace.reset(token)
     captured, backend.captured = backend.captured, None
     if not isinstance(captured, SerializableSplitModule):
         raise RuntimeError("the ahead-of-time capture did not reach vattn's backend")
     captured.compile(backend)  # before saving: a trace that does not compile is not stored
-    save(fn, path)
+    token = saving_trace.set(True)
+    try:
+        save(fn, path)
+    finally:
+        saving_trace.reset(token)
     return fn
 
 

@@ -37,6 +37,7 @@ class FlexAttentionBackend(AttentionBackend):
         "sinks": "CPU: the reference path (slow)",
         "block_sizes": "CUDA: multiples of 16",
         "cuda_graphs": "other steps piecewise",
+        "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for layers without mods",
     }
 
     @staticmethod

@@ -69,6 +69,8 @@ class TreeAttentionBackend(FlexAttentionBackend):
     """Tree-shaped speculative decoding: draft tokens attend to the context and their ancestors."""
 
     supports_tree_parents = True
+    feature_notes = {**FlexAttentionBackend.feature_notes,
+                     "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for chains of draft tokens"}
 
     @staticmethod
     def get_name() -> str:

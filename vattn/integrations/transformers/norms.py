@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import inspect
 import logging
 import textwrap
@@ -32,6 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vattn.compile_passes.trace_state import saving_trace
 
 __all__ = ["fuse_rms_norms", "norm_form"]
 
@@ -129,8 +132,11 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
 
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
     """Pickle (``torch.save``, ``copy.deepcopy``) as the transformers class: the swap is not
-    part of the model, and a class made at run time cannot be found by name."""
+    part of the model. While ``vattn.compile`` stores a trace, as itself: the trace's guards
+    must name this class (found by name here, ``__getattr__``) to hold in a later process."""
     reduced = super(type(self), self).__reduce_ex__(protocol)
+    if saving_trace.get():
+        return reduced
     if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1] and reduced[1][0] is type(self):
         reduced = (_new_instance, (self._vattn_unfused, *reduced[1][1:]), *reduced[2:])
     return reduced
@@ -140,12 +146,28 @@ def _new_instance(cls: type, *args: object) -> object:
     return cls.__new__(cls, *args)
 
 
+#: The fused classes by their attribute name here: a class made at run time is found by name
+#: (``__getattr__``), as pickle and a stored Dynamo trace's type guards look classes up.
+_FUSED: dict[str, type] = {}
+
+
 @functools.lru_cache(maxsize=None)
 def _fused_class(cls: type, form: str) -> type:
-    """``cls`` with the fused eager forward (one class per transformers class, named as it is)."""
-    return type(cls.__name__, (cls,), {"forward": _fused_forward, "__reduce_ex__": _reduce_ex,
-                                       "_vattn_norm_form": form, "_vattn_unfused": cls,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    """``cls`` with the fused eager forward: one class per transformers class, found here by a
+    name of its own, so that a stored trace's guard on it resolves to this class (not to the
+    transformers one) in a new process. The module still prints under transformers' name."""
+    digest = hashlib.sha256(f"{cls.__module__}.{cls.__qualname__}".encode()).hexdigest()[:12]
+    key = f"_Fused{cls.__name__}_{form}_{digest}"
+    fused = _FUSED[key] = type(key, (cls,), {
+        "forward": _fused_forward, "__reduce_ex__": _reduce_ex, "_vattn_norm_form": form, "_vattn_unfused": cls,
+        "__module__": __name__, "_get_name": lambda self: cls.__name__})
+    return fused
+
+
+def __getattr__(name: str) -> type:
+    if name in _FUSED:
+        return _FUSED[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fuse_rms_norms(model: nn.Module) -> int:
