@@ -152,20 +152,20 @@ def test_warm_up_is_explicit(rig: Any) -> None:
 
 
 @pytest.mark.parametrize("context", ["none", "no_metadata", "dummy_run", "metadata"])
-def test_generate_on_a_wrapped_model_says_what_to_use_instead(rig: Any, context: str) -> None:
-    """transformers' generate() is refused at once, whatever the context (before: a no-context
-    error whose hint led to "key has 4 tokens but query has 1")."""
+def test_generate_on_a_wrapped_model_leaves_the_engine_cache_alone(rig: Any, context: str) -> None:
+    """transformers' generate() of a wrapped model runs on a paged cache of its own, in or out of
+    a forward context: the engine's cache stays bit-identical and bound to the layers."""
     model, cfg, kv = rig
     before = {n: t.clone() for n, t in kv.tensors.items()}
     md = _metadata(kv, [3], [0]) if context == "metadata" else None
-    with pytest.raises(NotImplementedError, match=r"generate\(\) does not run on a wrapped model \(yet\).*"
-                                                  r"examples/generate.py --hf"):
-        if context == "none":
-            model.hf_model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
-        else:
-            with vattn.set_forward_context(md, cfg, dummy_run=context == "dummy_run"):
-                model.hf_model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
-    assert _unchanged(kv, before)
+    prompt = torch.tensor([[3, 4, 5]])
+    if context == "none":
+        out = model.hf_model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    else:
+        with vattn.set_forward_context(md, cfg, dummy_run=context == "dummy_run"):
+            out = model.hf_model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert out.shape[0] == 1 and torch.equal(out[:, :3], prompt) and _unchanged(kv, before)
+    assert all(layer.kv_cache[0] is kv.tensors[name] for name, layer in model.attention_layers().items())
 
 
 def test_transformers_forward_in_a_context_checks_its_positions(rig: Any) -> None:

@@ -18,7 +18,8 @@ flattened step of many requests, as vattn runs a model::
     logits = model.compute_logits(hidden[-1:])          # the rows you sample from
 
 ``vattn.compile(model, cfg)``, ``vattn.CUDAGraphRunner`` and ``examples/engine.py`` take the
-result as they take the example model. Needs transformers >= 4.56 (``pip install "vattn[transformers]"``).
+result as they take the example model. The transformers model's own ``generate()`` runs on a
+paged cache allocated for each call (``generate.py``): its tokens are transformers' own. Needs transformers >= 4.56 (``pip install "vattn[transformers]"``).
 """
 
 from __future__ import annotations

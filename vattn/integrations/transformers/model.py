@@ -26,6 +26,7 @@ from torch import nn
 import vattn
 from vattn.compile_passes.packed_linears import pack_linear_weights
 from vattn.forward_context import get_forward_context, is_forward_context_available
+from vattn.integrations.transformers.generate import generate
 from vattn.integrations.transformers.inputs import check_hidden, check_positions, check_step_inputs
 from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
 from vattn.integrations.transformers.norms import fuse_rms_norms
@@ -61,8 +62,8 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
             raise ValueError(
                 f"{type(module).__name__}: attn_implementation='vattn' runs one flattened step (batch 1) through "
                 f"the vattn.Attention at module.attn; got query {tuple(query.shape)} and attn "
-                f"{type(layer).__name__}. Build the model with vattn.integrations.transformers.wrap (or "
-                "from_pretrained) and call that, inside vattn.set_forward_context.")
+                f"{type(layer).__name__}. Wrap the model first (vattn.integrations.transformers.wrap(model, cfg)): "
+                "then its generate() runs on vattn's paged cache, and the VattnCausalLM wrap returns runs steps.")
         if not is_forward_context_available():
             raise RuntimeError(
                 f"{type(module).__name__}: the model runs its attention on vattn, which reads each step's batch "
@@ -83,15 +84,10 @@ def vattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     return out.view(1, -1, layer.num_heads, layer.head_size), None
 
 
-_USE_INSTEAD = ("transformers' generate() does not run on a wrapped model (yet): generate with "
+_USE_INSTEAD = ("Generate with the transformers model's generate() (wrap installs one that runs on vattn's cache), "
                 "examples/generate.py --hf DIR or examples.engine.Engine, or run steps yourself: call the "
                 "VattnCausalLM as model(input_ids, positions) inside "
                 "vattn.set_forward_context(kv.build_metadata(common), cfg).")
-
-
-def _generate_unsupported(model_name: str, *args: Any, **kwargs: Any) -> Any:
-    """``generate`` of a wrapped model: refused before anything runs (see ``wrap``)."""
-    raise NotImplementedError(f"{model_name}.generate(): {_USE_INSTEAD}")
 
 
 def _check_direct_call(position_ids: Any) -> None:
@@ -366,8 +362,8 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         raise
     for (_, module), layer in zip(found, layers):
         module.attn = layer
-    if callable(getattr(model, "generate", None)):  # transformers' cache and masks are bypassed: refuse it early
-        model.generate = functools.partial(_generate_unsupported, type(model).__name__)
+    if callable(getattr(model, "generate", None)):  # transformers' loop over vattn's cache (generate.py)
+        model.generate = functools.update_wrapper(functools.partial(generate, model, vattn_config), generate)
     if pack_projections:
         pack_linear_weights(model)
     if fuse_norms:
