@@ -93,5 +93,8 @@ def test_modes_that_reorder_rows_are_refused() -> None:
         hf.generate(ids, max_new_tokens=4, num_beams=2)
     with pytest.raises(ValueError, match="leave past_key_values unset"):
         hf.generate(ids, max_new_tokens=4, past_key_values=object())
+    for kw in (dict(use_cache=False), dict(cache_implementation="static")):
+        with pytest.raises(ValueError, match="leave use_cache and cache_implementation unset"):
+            hf.generate(ids, max_new_tokens=4, **kw)
     with pytest.raises(ValueError, match=r"\(batch, prompt_len\) tensor"):
         hf.generate([3, 4, 5], max_new_tokens=4)

@@ -228,6 +228,9 @@ def generate(model: nn.Module, vattn_config: "vattn.VattnConfig", *args: Any, **
     (an engine's) are bound again afterwards."""
     if kwargs.get("num_beams", getattr(getattr(model, "generation_config", None), "num_beams", 1) or 1) > 1:
         raise NotImplementedError(f"{type(model).__name__}.generate(num_beams > 1): {_NO_REORDER}")
+    if kwargs.get("use_cache") is False or kwargs.get("cache_implementation") is not None:
+        raise ValueError(f"{type(model).__name__}.generate: vattn serves the cache of a wrapped model; leave use_cache "
+                         "and cache_implementation unset.")
     for name in ("past_key_values", "cache"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{type(model).__name__}.generate({name}=...): vattn keeps the cache of a wrapped model; "
