@@ -97,7 +97,7 @@ def _cache_class() -> type:
             super().__init__(layers=[layer_cls() for _ in range(num_layers)])
             self.kv, self.vattn_config = kv, config
             self.tables = [list(range(r * blocks_per_row, (r + 1) * blocks_per_row)) for r in range(batch)]
-            self._step: tuple[Any, ...] | None = None  # (key, metadata, real-token rows, row order)
+            self._step: tuple[Any, ...] | None = None  # (key, metadata, flat indices of the real new tokens)
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             raise NotImplementedError(_NO_REORDER)
@@ -114,10 +114,10 @@ def _cache_class() -> type:
         def step(self, batch: int, q_len: int, mask: torch.Tensor | None, device: torch.device) -> tuple[Any, ...]:
             """(metadata by layer name, the flat indices of the real new tokens in request order):
             built once per forward (the first layer's call), from the 2D padding mask."""
-            key = (self.layers[0].seen, q_len, batch)
+            seen = max(layer.seen for layer in self.layers)  # this forward's tokens included
+            key = (seen, q_len, batch)
             if self._step is not None and self._step[0] == key:
                 return self._step[1:]
-            seen = self.layers[0].seen  # this forward's tokens included
             if mask is None:
                 real = torch.ones(batch, q_len, dtype=torch.bool)
                 before = [seen - q_len] * batch
