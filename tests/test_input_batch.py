@@ -146,7 +146,14 @@ def test_bad_input_is_refused_where_it_enters() -> None:
     _refused(batch, lambda: batch.prepare(np.array([r]), np.array([-1])), "counts >= 0")
     _refused(batch, lambda: batch.prepare(np.array([r]), np.array([1.0])), "integer arrays")
     _refused(batch, lambda: batch.prepare(np.array([r]), np.array([1]), num_tokens_padded=65), "max_num_tokens")
-    batch.add_row()
+    r2 = batch.add_row([9], 0)
+    each = batch.append_block_each
+    _refused(batch, lambda: each(np.array([r, r2]), np.array([10, NB])), "distinct block ids in")
+    _refused(batch, lambda: each(np.array([r, r2]), np.array([10, 10])), "distinct block ids in")
+    _refused(batch, lambda: each(np.array([r2, r]), np.array([10, 1])), "block 1 for row 0, which holds it already")
+    _refused(batch, lambda: each(np.array([r, r]), np.array([10, 11])), "distinct rows in use")
+    each(np.array([r, r2]), np.array([10, 1]))  # 10 fresh; block 1 shared into row r2 (read-only prefix sharing)
+    assert batch.block_table[r2, :2].tolist() == [9, 1] and batch.block_table[r, :2].tolist() == [1, 10]
     batch.add_row()
     _refused(batch, lambda: batch.add_row(), "max_num_reqs = 3")
     with pytest.raises(ValueError, match="max_num_reqs"):

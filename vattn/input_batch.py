@@ -187,16 +187,19 @@ class InputBatch:
                 len(set(rows.tolist())) != rows.size:
             fail("InputBatch.append_block_each: rows", "distinct rows in use (add_row's results)",
                  rows.tolist()[:16], "use the rows add_row returned, once each")
-        if ids.min() < 0 or ids.max() >= self.num_blocks or len(set(ids.tolist())) != ids.size \
-                or self._holders[ids].any():
-            for r, b in zip(rows.tolist(), ids.tolist()):  # the slow path names the first bad one
-                self.append_blocks(r, [b])
-            return
+        if ids.min() < 0 or ids.max() >= self.num_blocks or len(set(ids.tolist())) != ids.size:
+            fail("InputBatch.append_block_each: block_ids", f"distinct block ids in [0, num_blocks = "
+                 f"{self.num_blocks})", ids.tolist()[:16], "use ids of blocks allocated in this cache, one per row")
         ends = self.num_blocks_per_row[rows].astype(np.int64)
         if ends.max() >= self.max_blocks_per_req:
             fail("InputBatch.append_block_each", f"at most max_blocks_per_req = {self.max_blocks_per_req} blocks a "
                  "row", f"{int(ends.max()) + 1} for row {int(rows[ends.argmax()])}",
                  "raise max_blocks_per_req to the longest request's blocks")
+        for i in np.flatnonzero(self._holders[ids] > 0).tolist():  # held elsewhere (shared): not in its own row yet
+            if (self.block_table[rows[i], : ends[i]] == ids[i]).any():
+                fail("InputBatch.append_block_each: block_ids", "ids not yet in the row (each block once per request)",
+                     f"block {int(ids[i])} for row {int(rows[i])}, which holds it already",
+                     "give every block_size positions of a request a block of their own")
         self.block_table[rows, ends] = ids
         self.num_blocks_per_row[rows] = ends + 1
         self.capacity[rows] = (ends + 1) * self.block_size
