@@ -231,3 +231,29 @@ def test_bench_host_step_cpu_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     assert [r["batch"] for r in out["rows"]] == [1, 4]
     assert all(r["step_us"] > 0 and r["input_batch_us"] > 0 and r["schedule_us"] > 0 for r in out["rows"])
     assert list(tmp_path.glob("host-step-*.json")) and engine_mod.sample is sample
+
+
+@pytest.mark.cuda
+def test_cuda_steps_stage_through_pinned_memory_without_a_sync() -> None:
+    """On CUDA: each step's metadata is one non-blocking copy from a pinned staging buffer, equal
+    to the CPU batch's; step N's tensors survive the preparation of step N+1 while a long kernel
+    still occupies the stream (the event guards the staging buffer that is reused)."""
+    gpu = vattn.InputBatch(max_num_reqs=64, max_blocks_per_req=32, block_size=BS, num_blocks=4096, device="cuda",
+                           max_num_tokens=256)
+    cpu = vattn.InputBatch(max_num_reqs=64, max_blocks_per_req=32, block_size=BS, num_blocks=4096, device="cpu",
+                           max_num_tokens=256)
+    rows = np.array([b.add_row(list(range(30 * i, 30 * i + 30)), 3 * i) for b in (gpu, cpu) for i in range(48)][:48])
+    rows.setflags(write=False)
+    assert all(t.is_pinned() for t in gpu._staging)
+    x = torch.randn(4096, 4096, device="cuda")
+    steps = []
+    for step in range(4):
+        (x @ x).sum()  # keep the stream busy: the copies queue behind it
+        got, want = gpu.prepare(rows), cpu.prepare(rows)
+        steps.append((got, want))
+        for b in (gpu, cpu):
+            b.num_computed_tokens[rows] += 1
+    torch.cuda.synchronize()
+    for got, want in steps[-2:]:  # the ring keeps the last two steps intact
+        for f in ("query_start_loc", "seq_lens", "slot_mapping", "block_table_tensor"):
+            assert getattr(got, f).is_cuda and torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
