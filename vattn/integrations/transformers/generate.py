@@ -112,8 +112,9 @@ def _cache_class() -> type:
             raise NotImplementedError(_NO_REORDER)
 
         def step(self, batch: int, q_len: int, mask: torch.Tensor | None, device: torch.device) -> tuple[Any, ...]:
-            """(metadata by layer name, the flat indices of the real new tokens in request order):
-            built once per forward (the first layer's call), from the 2D padding mask."""
+            """(metadata by layer name, the flat indices of the real new tokens in request order, or
+            None where that is every token in batch order): built once per forward (the first
+            layer's call), from the 2D padding mask."""
             seen = max(layer.seen for layer in self.layers)  # this forward's tokens included
             key = (seen, q_len, batch)
             if self._step is not None and self._step[0] == key:
@@ -131,7 +132,8 @@ def _cache_class() -> type:
             rows = torch.cat([flat[r][real[r]] for r in order]) if order else torch.zeros(0, dtype=torch.long)
             common = self.kv.common_metadata([qlens[r] for r in order], [before[r] for r in order],
                                              [self.tables[r] for r in order])
-            self._step = (key, self.kv.build_metadata(common), rows.to(device))
+            every = order == list(range(batch)) and bool(real.all())  # no padding, batch order: no gather
+            self._step = (key, self.kv.build_metadata(common), None if every else rows.to(device))
             return self._step[1:]
 
     return VattnCache
@@ -164,10 +166,12 @@ def generate_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                            "inside generate() of a model wrapped by vattn.integrations.transformers.wrap.")
     b, h, q, d = query.shape
     md, rows = cache.step(b, q, attention_mask, query.device)
-    flat = lambda x: x.transpose(1, 2).reshape(b * q, x.shape[1], d)[rows]  # noqa: E731
-    out = query.new_zeros(b * q, h * d)
+    flat = lambda x: x.transpose(1, 2).reshape(b * q, x.shape[1], d)  # noqa: E731  (T, heads, D)
     with vattn.set_forward_context(md, cache.vattn_config):
-        out[rows] = layer(flat(query), flat(key), flat(value))
+        if rows is None:  # every token real, rows in batch order
+            return layer(flat(query), flat(key), flat(value)).view(b, q, h, d), None
+        out = query.new_zeros(b * q, h * d)
+        out[rows] = layer(flat(query)[rows], flat(key)[rows], flat(value)[rows])
     return out.view(b, q, h, d), None
 
 
