@@ -57,16 +57,22 @@ def _room_for_many_compiled_models() -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_one_thread() -> Iterator[None]:
-    """For modules running tiny transformers models: one intra-op thread (as fast at these
-    shapes, and many times faster on a loaded 2-core box under xdist), transformers' warnings off."""
-    import transformers
-
+def one_cpu_thread() -> Iterator[None]:
+    """For modules running tiny models: one intra-op thread (as fast at these shapes, and many
+    times faster on a loaded 2-core box under xdist). ``pytestmark = pytest.mark.usefixtures(...)``."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def hf_one_thread(one_cpu_thread: None) -> Iterator[None]:
+    """``one_cpu_thread`` for tiny transformers models, with transformers' warnings off."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    yield
 
 
 @pytest.fixture

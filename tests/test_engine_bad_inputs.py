@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -28,12 +28,7 @@ BAD_TOKEN = 13  # the injected failure's token id (absent from PROMPTS)
 PROMPTS = [([1, 2, 3, 4, 5], 0), ([7, 8, 9], 0), ([20, 21, 22, 23, 24, 25, 26], 1), ([30, 31], 2)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 class Tiny:

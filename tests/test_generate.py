@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -17,13 +16,7 @@ sys.path.insert(0, str(ROOT))
 from examples import generate  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    """Tiny shapes: one intra-op thread is as fast, and on a loaded 2-core box (xdist) many times faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 SMALL = ["--device", "cpu", "--preset", "tiny", "--num-requests", "3", "--prompt-len", "20",

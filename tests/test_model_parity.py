@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,13 +29,7 @@ from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    """Tiny shapes: one intra-op thread is as fast, and on a loaded 2-core box (xdist) many times faster."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 VOCAB = 512

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
 
 import pytest
 import torch
@@ -28,12 +27,7 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,7 @@ from examples.hf_model import FAMILIES, random_model, tiny_config  # noqa: E402
 from vattn.integrations import transformers as vt  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> None:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("hf_one_thread")
 
 
 def _pair(family: str) -> tuple[torch.nn.Module, torch.nn.Module, vattn.VattnConfig]:
