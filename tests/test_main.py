@@ -60,7 +60,7 @@ def expected_status(member: AttentionBackendEnum) -> str:
     """The status every member must have on a CPU without TRITON_INTERPRET (this version's backends)."""
     if not member.is_implemented():
         return "not_implemented"
-    return "available" if member in (B.TORCH_SDPA, B.FLEX_ATTENTION, B.TREE_ATTN) else "unavailable"
+    return "available" if member in (B.TORCH_SDPA, B.FLEX_ATTENTION, B.TREE_ATTN, B.NO_ATTENTION) else "unavailable"
 
 
 def text_statuses(text: str) -> dict[str, str]:
@@ -129,7 +129,9 @@ def test_json_report_on_cpu():
     env = {r["name"]: r for r in report["environment"]}
     assert set(env) == set(vattn.envs.environment_variables)
     assert not any(r["set"] for r in env.values())
-    assert report["mamba_backends"] == [{"name": m.name, "status": "not_implemented"} for m in MambaAttentionBackendEnum]
+    assert report["mamba_backends"] == [
+        {"name": m.name, "status": "not_implemented" if m is MambaAttentionBackendEnum.CUSTOM else "implemented"}
+        for m in MambaAttentionBackendEnum]
 
 
 def test_report_with_forced_backends_and_set_variables():

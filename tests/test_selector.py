@@ -169,7 +169,7 @@ def test_layer_features_are_checked_against_the_declarations(monkeypatch):
 
 def test_backend_that_fails_to_import_is_skipped(monkeypatch):
     fallback = register_backend(B.CUSTOM)(make_backend("CUSTOM"))
-    use_platform(monkeypatch, ListPlatform(B.NO_ATTENTION, B.CUSTOM))  # NO_ATTENTION's module does not exist
+    use_platform(monkeypatch, ListPlatform(B.CPU_ATTN, B.CUSTOM))  # CPU_ATTN's module does not exist
     assert get_attn_backend(64, F16, "auto", 16) is fallback
 
 
@@ -238,7 +238,7 @@ def test_context_manager_restores_and_clears_cache():
 def test_no_backend_serves_groups_candidates(monkeypatch):
     register_backend(B.FLASH_ATTN)(make_backend("FLASH_ATTN", head_sizes=(64, 128)))
     register_backend(B.TRITON_ATTN)(make_backend("TRITON_ATTN", head_sizes=(32, 64, 128, 256)))
-    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.NO_ATTENTION, B.TRITON_ATTN, B.CPU_ATTN))
+    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.TRITON_ATTN, B.CPU_ATTN))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(7, F16, "auto", 16)
     lines = str(ei.value).splitlines()
@@ -247,18 +247,18 @@ def test_no_backend_serves_groups_candidates(monkeypatch):
         "Candidates that cannot serve here, and why:",
         "  FLASH_ATTN: head_size 7 not in [64, 128]",
         "  TRITON_ATTN: head_size 7 not in [32, 64, 128, 256]",
-        f"Candidates not implemented in {vattn_version()}: NO_ATTENTION, CPU_ATTN",
+        f"Candidates not implemented in {vattn_version()}: CPU_ATTN",
     ]
     assert "register_backend" in lines[5]
     assert "does not exist" not in str(ei.value)  # unimplemented ones are never imported
 
 
 def test_only_unimplemented_candidates(monkeypatch):
-    use_platform(monkeypatch, ListPlatform(B.CPU_ATTN, B.NO_ATTENTION))
+    use_platform(monkeypatch, ListPlatform(B.CPU_ATTN))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(64, F16, "auto", 16)
     msg = str(ei.value)
-    assert f"\nCandidates not implemented in {vattn_version()}: CPU_ATTN, NO_ATTENTION\n" in msg
+    assert f"\nCandidates not implemented in {vattn_version()}: CPU_ATTN\n" in msg
     assert "cannot serve here" not in msg
 
 
@@ -323,11 +323,11 @@ def test_forced_backend_not_implemented_says_so(monkeypatch, how):
 
 
 def test_forced_unimplemented_name_with_an_override_is_used(monkeypatch):
-    mine = register_backend(B.NO_ATTENTION)(make_backend("NO_ATTENTION"))
-    monkeypatch.setenv(ENV, "NO_ATTENTION")
+    mine = register_backend(B.CPU_ATTN)(make_backend("CPU_ATTN"))
+    monkeypatch.setenv(ENV, "CPU_ATTN")
     assert get_attn_backend(64, F16, "auto", 16) is mine  # the registry generation is in the cache key
-    B.NO_ATTENTION.clear_override()
-    with pytest.raises(ValueError, match="NO_ATTENTION .* is not implemented in"):
+    B.CPU_ATTN.clear_override()
+    with pytest.raises(ValueError, match="CPU_ATTN .* is not implemented in"):
         get_attn_backend(64, F16, "auto", 16)
 
 
@@ -350,8 +350,8 @@ def test_registered_non_backend_class_is_rejected(monkeypatch):
 def test_unknown_env_name_lists_valid(monkeypatch):
     monkeypatch.setenv(ENV, "FLASH_ATTENTION_9")
     with pytest.raises(ValueError, match=r"VATTN_ATTENTION_BACKEND='FLASH_ATTENTION_9' is not an attention "
-                       rf"backend\. Valid options are: {IMPLEMENTED}, CUSTOM \(register a backend first\); "
-                       r"named but not implemented in .*: CPU_ATTN, NO_ATTENTION\. Set it"):
+                       rf"backend\. Valid options are: {IMPLEMENTED.replace('TREE_ATTN', 'TREE_ATTN, NO_ATTENTION')}, CUSTOM \(register a backend first\); "
+                       r"named but not implemented in .*: CPU_ATTN\. Set it"):
         get_env_variable_attn_backend()
     with pytest.raises(ValueError, match="Valid options are"):
         get_attn_backend(64, F16, "auto", 16)

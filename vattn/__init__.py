@@ -51,6 +51,15 @@ from vattn.kv_cache import PagedKVCache, allocate_kv_cache, bind_kv_cache
 from vattn.metadata import build_common_attn_metadata
 from vattn.layer import Attention
 from vattn.mla_layer import MLAAttention
+from vattn.mixers import (
+    GatedDeltaNet,
+    LinearAttention,
+    MambaBase,
+    Mamba1Mixer,
+    Mamba2Mixer,
+    ShortConv,
+    get_mamba_backend,
+)
 from vattn.platform import current_platform
 from vattn.selector import (
     backend_name_to_enum,
@@ -98,6 +107,13 @@ __all__ = [
     "infer_global_hyperparameters",
     "make_local_attention_virtual_batches",
     "MambaAttentionBackendEnum",
+    "MambaBase",
+    "Mamba1Mixer",
+    "Mamba2Mixer",
+    "GatedDeltaNet",
+    "get_mamba_backend",
+    "LinearAttention",
+    "ShortConv",
     "MLAAttention",
     "PagedKVCache",
     "PerLayerParameters",

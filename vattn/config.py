@@ -150,6 +150,7 @@ class CompilationConfig:
         "vattn::unified_attention",
         "vattn::unified_attention_with_output",
         "vattn::unified_mla_attention_with_output",
+        "vattn::mixer_with_output",
     )
     passes: tuple[str, ...] = ("noop_elimination", "query_quant_fusion", "attn_quant_fusion", "defunctionalize",
                                "unfuse_addmm")
@@ -211,8 +212,10 @@ class VattnConfig:
         return self.compilation
 
     def attention_layers(self) -> dict[str, "Attention"]:
-        """The registered attention layers by name, in construction order."""
-        return dict(self.compilation.static_forward_context)
+        """The registered attention layers by name, in construction order (mixer layers, which
+        register beside them, are left out)."""
+        # Mixers (vattn.MambaBase) declare a mamba_type; read as an attribute, config imports no layer module.
+        return {n: x for n, x in self.compilation.static_forward_context.items() if not getattr(x, "mamba_type", "")}
 
 
 _current_config: list[VattnConfig] = []

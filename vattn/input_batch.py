@@ -104,9 +104,10 @@ class InputBatch:
         self._rows_checked: np.ndarray | None = None  # a read-only rows array prepare checked ...
         self._rows_epoch = -1  # ... at this epoch
         self._arange = np.arange(self.max_num_reqs + 1, dtype=np.int32)
-        # The staging layout: qsl (R+1) int32, seq (R) int32, slots (T) int64, table (R, W) int32.
+        # The staging layout: qsl (R+1) int32, seq (R) int32, slots (T) int64, table (R, W) int32,
+        # rows (R) int32 (the state slots of mixer layers).
         r, t, w = self.max_num_reqs, self.max_num_tokens, self.max_blocks_per_req
-        self._nbytes = sum(-(-n // _ALIGN) * _ALIGN for n in (4 * (r + 1), 4 * r, 8 * t, 4 * r * w))
+        self._nbytes = sum(-(-n // _ALIGN) * _ALIGN for n in (4 * (r + 1), 4 * r, 8 * t, 4 * r * w, 4 * r))
         cuda = self.device.type == "cuda"
         self._staging = [torch.empty(self._nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self._dev = [torch.empty(self._nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)] if cuda else None
@@ -238,7 +239,8 @@ class InputBatch:
 
         A read-only ``rows`` array (``rows.setflags(write=False)``) checked by an earlier call is
         not checked again while no row was added or freed: an engine that runs the same requests
-        step after step passes the same array."""
+        step after step passes the same array. The rows are also the requests' state slots
+        (``state_indices``) for models with mixer layers: ``allocate_kv_cache(num_state_slots=max_num_reqs)``."""
         rows = np.asarray(rows)
         decode = query_lens is None
         qlens = rows if decode else np.asarray(query_lens)  # (decode: only its dtype and shape are read)
@@ -270,7 +272,8 @@ class InputBatch:
                  f"{self.max_num_tokens}", t_pad, "schedule fewer tokens or raise max_num_tokens")
         max_seq = int(seq.max(initial=0))
         width = max(-(-max_seq // self.block_size), 1)
-        (qsl, seq_v, slots, table), (qsl_d, seq_d, slot_d, table_d), end = self._buffers(b, t_pad, width)
+        (qsl, seq_v, slots, table, state), (qsl_d, seq_d, slot_d, table_d, state_d), end = self._buffers(b, t_pad, width)
+        state[:] = rows
         seq_v[:] = seq
         if decode:
             qsl[:] = self._arange[: b + 1]
@@ -303,7 +306,8 @@ class InputBatch:
             query_start_loc=qsl_d, query_start_loc_cpu=qsl_c, seq_lens=seq_d, seq_lens_cpu=seq_c,
             num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)), num_reqs=b,
             num_actual_tokens=num_tokens, max_query_len=max_q, block_table_tensor=table_d, slot_mapping=slot_d,
-            max_seq_len=max_seq, causal=causal, host_checks=checks)
+            max_seq_len=max_seq, causal=causal, host_checks=checks, state_indices=state_d,
+            state_indices_cpu=torch.from_numpy(state))
 
     def _explain(self, rows: np.ndarray, qlens: np.ndarray, computed: np.ndarray, seq: np.ndarray) -> None:
         """Raise the ``ValueError`` for the first request whose counts are negative or whose
@@ -317,12 +321,13 @@ class InputBatch:
              f"{-(-int(seq[i]) // self.block_size)} blocks for its {int(computed[i])} cached + {int(qlens[i])} new "
              "tokens", f"{int(self.num_blocks_per_row[r])} blocks", "append_blocks before scheduling the tokens")
 
-    def _offsets(self, b: int, t: int, width: int) -> tuple[int, int, int, int, int]:
-        """Byte offsets of (qsl, seq, slots, table) in a staging buffer for this step, and its end."""
+    def _offsets(self, b: int, t: int, width: int) -> tuple[int, int, int, int, int, int]:
+        """Byte offsets of (qsl, seq, slots, table, rows) in a staging buffer for this step, and its end."""
         o_seq = -(-4 * (b + 1) // _ALIGN) * _ALIGN
         o_slot = o_seq + -(-4 * b // _ALIGN) * _ALIGN
         o_table = o_slot + -(-8 * t // _ALIGN) * _ALIGN
-        return 0, o_seq, o_slot, o_table, o_table + 4 * b * width
+        o_rows = o_table + -(-4 * b * width // _ALIGN) * _ALIGN
+        return 0, o_seq, o_slot, o_table, o_rows, o_rows + 4 * b
 
     def _buffers(self, b: int, t: int, width: int) -> tuple[tuple[np.ndarray, ...], tuple[torch.Tensor, ...], int]:
         """(numpy views of the next staging buffer, the typed device views its copy lands in,
@@ -338,14 +343,16 @@ class InputBatch:
             return hit
         if len(self._views_cache) > 256:
             self._views_cache.clear()
-        o_qsl, o_seq, o_slot, o_table, end = self._offsets(b, t, width)
+        o_qsl, o_seq, o_slot, o_table, o_rows, end = self._offsets(b, t, width)
         buf = self._staging[self._turn].numpy()
         host = (buf[o_qsl:o_seq][: 4 * (b + 1)].view(np.int32), buf[o_seq:o_slot][: 4 * b].view(np.int32),
-                buf[o_slot:o_table][: 8 * t].view(np.int64), buf[o_table:end].view(np.int32).reshape(b, width))
+                buf[o_slot:o_table][: 8 * t].view(np.int64),
+                buf[o_table:o_table + 4 * b * width].view(np.int32).reshape(b, width), buf[o_rows:end].view(np.int32))
         dev = self._staging[self._turn] if self._dev is None else self._dev[self._turn]
         i32, i64 = dev.view(torch.int32), dev.view(torch.int64)
         views = (i32[o_qsl // 4: o_qsl // 4 + b + 1], i32[o_seq // 4: o_seq // 4 + b],
-                 i64[o_slot // 8: o_slot // 8 + t], i32[o_table // 4: o_table // 4 + b * width].view(b, width))
+                 i64[o_slot // 8: o_slot // 8 + t], i32[o_table // 4: o_table // 4 + b * width].view(b, width),
+                 i32[o_rows // 4: o_rows // 4 + b])
         hit = self._views_cache[key] = (host, views, end)
         return hit
 

@@ -29,18 +29,15 @@ from vattn.backends.debug_checks import check_common_on_device
 from vattn.backends.registry import AttentionBackendEnum
 from vattn.config import VattnConfig, get_current_vattn_config
 from vattn.metadata import build_common_attn_metadata
+from vattn.mixers.base import MambaBase
+from vattn.mixers.state import allocate_states, state_bytes
 from vattn.ops.kv_store import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from vattn.backends.abstract import AttentionLayerBase
     from vattn.layer import Attention
 
-__all__ = [
-    "KVCacheGroup",
-    "PagedKVCache",
-    "allocate_kv_cache",
-    "bind_kv_cache",
-]
+__all__ = ["KVCacheGroup", "PagedKVCache", "allocate_kv_cache", "bind_kv_cache"]
 
 logger = logging.getLogger("vattn")
 
@@ -63,19 +60,26 @@ class PagedKVCache:
 
     Args:
         tensors: layer name -> cache tensor (the backend's ``get_kv_cache_shape``).
-        groups: the layer groups with their builders.
+        groups: the layer groups with their builders (mixer layers' groups included).
         num_blocks / block_size: the pool every request's block table indexes.
+        states: mixer layer name -> its state tensors, each (num_state_slots + 1, ...) (the last
+            slot is padding's scratch slot).
+        num_state_slots: state slots per mixer layer (``CommonAttentionMetadata.state_indices``).
     """
 
     def __init__(
-        self, tensors: dict[str, torch.Tensor], groups: list[KVCacheGroup], num_blocks: int, block_size: int
+        self, tensors: dict[str, torch.Tensor], groups: list[KVCacheGroup], num_blocks: int, block_size: int,
+        states: dict[str, tuple[torch.Tensor, ...]] | None = None, num_state_slots: int = 0,
     ) -> None:
         self.tensors = tensors
         self.groups = groups
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.states = states or {}
+        self.num_state_slots = num_state_slots
+        first = next(iter(tensors.values()), None) if tensors else next(iter(self.states.values()), (None,))[0]
         #: Where the cache lives (None: no layer has a cache tensor, e.g. encoder-only models).
-        self.device: torch.device | None = next(iter(tensors.values())).device if tensors else None
+        self.device: torch.device | None = None if first is None else first.device
         self._where = f"this PagedKVCache ({num_blocks} blocks of {block_size})"
 
     def check(self, common: CommonAttentionMetadata) -> StepChecks:
@@ -103,7 +107,8 @@ class PagedKVCache:
                 f"common: expected metadata on the KV cache's device {device}, got tensors on {checks.device}; "
                 "build it with kv.common_metadata(...) (the cache's device) or device=kv's device."
             )
-        checks.check(self.block_size, self.num_blocks, self._where)
+        if self.tensors or not self.states:  # a model of mixers only stores no K/V: no block table to check
+            checks.check(self.block_size, self.num_blocks, self._where)
         if envs.VATTN_DEBUG_CHECKS and not checks.device_checked:
             check_common_on_device(common, self.block_size, self.num_blocks)
             checks.device_checked = True
@@ -134,6 +139,8 @@ class PagedKVCache:
         can honour (``tree_parents``)."""
         checks = self.check(common)
         self._check_trees(common)
+        if self.states:
+            self._check_state_indices(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
             md = g.builder.build(common_prefix_len, common, fast_build=fast_build)
@@ -144,12 +151,28 @@ class PagedKVCache:
     def build_metadata_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> dict[str, AttentionMetadata]:
         checks = self.check(common)
         self._check_trees(common)
+        if self.states:
+            self._check_state_indices(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
             md = g.builder.build_for_cudagraph_capture(common)
             md.checks = checks
             out.update(dict.fromkeys(g.layer_names, md))
         return out
+
+    def _check_state_indices(self, common: CommonAttentionMetadata) -> None:
+        """The mixer layers' state slots: present, and (on the host mirror) below ``num_state_slots``."""
+        indices, b = common.state_indices_cpu, common.num_reqs
+        if common.state_indices is None:
+            raise ValueError(
+                "CommonAttentionMetadata.state_indices: expected one state slot per request for this model's mixer "
+                f"layers (slots 0 .. {self.num_state_slots - 1}), got None; pass state_indices= to kv.common_metadata "
+                "(InputBatch.prepare passes its rows), each request keeping its slot for its lifetime.")
+        if indices is not None and b and int(indices[:b].max()) >= self.num_state_slots:
+            raise ValueError(
+                f"CommonAttentionMetadata.state_indices: expected slots below kv.num_state_slots = "
+                f"{self.num_state_slots}, got {indices[:b].tolist()[:16]}; allocate more slots "
+                "(allocate_kv_cache(num_state_slots=...)) or reuse the slots of finished requests.")
 
     def can_run_in_cudagraph(self, common: CommonAttentionMetadata) -> bool:
         """Whether every group's builder allows this batch inside a full CUDA graph."""
@@ -159,10 +182,11 @@ class PagedKVCache:
         self,
         query_lens: Sequence[int] | torch.Tensor,
         num_computed_tokens: Sequence[int] | torch.Tensor,
-        block_tables: Sequence[Sequence[int]] | torch.Tensor,
+        block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
         **kwargs: Any,
     ) -> CommonAttentionMetadata:
-        """``build_common_attn_metadata`` with this cache's block size, device and block-id bound."""
+        """``build_common_attn_metadata`` with this cache's block size, device and block-id bound
+        (``block_tables=None`` for a model of mixer layers only)."""
         device = self.device or torch.device("cpu")
         kwargs.setdefault("device", device)
         return build_common_attn_metadata(
@@ -172,12 +196,14 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors.values()}
-        return sum(seen.values())
+        return sum(seen.values()) + sum(t.nbytes for ts in self.states.values() for t in ts)
 
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(layers={len(self.tensors)}, num_blocks={self.num_blocks}, "
-            f"block_size={self.block_size}, groups={len(self.groups)}, GiB={self.nbytes / 2**30:.3f})"
+            f"block_size={self.block_size}, groups={len(self.groups)}, "
+            + (f"mixer_layers={len(self.states)}, num_state_slots={self.num_state_slots}, " if self.states else "")
+            + f"GiB={self.nbytes / 2**30:.3f})"
         )
 
 
@@ -214,6 +240,8 @@ def allocate_kv_cache(
     num_blocks: int = 1024,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    *,
+    num_state_slots: int | None = None,
 ) -> PagedKVCache:
     """Allocate a paged KV cache for every attention layer of ``config`` and bind it.
 
@@ -227,6 +255,9 @@ def allocate_kv_cache(
         num_blocks: blocks per layer; a request of ``n`` tokens needs ``ceil(n / block_size)``.
         device: where the cache lives (the model's device).
         dtype: the model dtype for ``cache_dtype="auto"`` (default: each layer's construction dtype).
+        num_state_slots: for models with mixer layers (``vattn.GatedDeltaNet`` ...): the most
+            requests running at once; each gets a slot of every mixer layer's state
+            (``state_indices`` in the step's metadata). Required when the model has mixer layers.
 
     Returns a ``PagedKVCache``; each layer's ``kv_cache[0]`` is its tensor, KV-sharing layers
     get their target's tensor.
@@ -240,13 +271,16 @@ def allocate_kv_cache(
                          "n tokens needs ceil(n / block_size) blocks).")
     num_blocks = int(num_blocks)
     device = _checked_device(device)
-    layers: dict[str, "Attention"] = config.compilation.static_forward_context
-    if not layers:
+    everything = config.compilation.static_forward_context
+    if not everything:
         raise ValueError(
-            "allocate_kv_cache: the config has no attention layers; build the model inside "
+            "allocate_kv_cache: the config has no attention layers (and no mixer layers); build the model inside "
             "`with vattn.set_current_vattn_config(cfg):` and pass that cfg."
         )
-    block_sizes = {layer.block_size for layer in layers.values()}
+    mixers = {n: layer for n, layer in everything.items() if isinstance(layer, MambaBase)}
+    layers: dict[str, "Attention"] = {n: layer for n, layer in everything.items() if n not in mixers}
+    num_state_slots = _checked_slots(num_state_slots, mixers)
+    block_sizes = {layer.block_size for layer in layers.values()} or {config.cache.block_size}
     if len(block_sizes) != 1:
         raise ValueError(f"all layers must share one block_size to share block tables, got {sorted(block_sizes)}.")
 
@@ -258,7 +292,7 @@ def allocate_kv_cache(
         grouped.setdefault((layer.attn_backend, spec), []).append(name)
         if layer.attn_type not in _NO_CACHE_TYPES and layer.kv_sharing_target_layer_name is None:
             owners.append((name, layer.attn_backend, spec))
-    _check_capacity(owners, num_blocks, device)
+    _check_capacity(owners, num_blocks, device, state_bytes(mixers, num_state_slots, dtype))
     try:
         for name, backend, spec in owners:
             tensors[name] = _allocate_one(backend, spec, num_blocks, device)
@@ -274,7 +308,9 @@ def allocate_kv_cache(
         KVCacheGroup(backend, spec, names, backend.get_builder_cls()(spec, names, config, device))
         for (backend, spec), names in grouped.items()
     ]
-    kv = PagedKVCache(tensors, groups, num_blocks, block_sizes.pop())
+    states, mixer_groups = allocate_states(mixers, num_state_slots, device, dtype, config)
+    groups += [KVCacheGroup(*g) for g in mixer_groups]
+    kv = PagedKVCache(tensors, groups, num_blocks, block_sizes.pop(), states, num_state_slots)
     bind_kv_cache(tensors, config)
     logger.info("allocated %r", kv)
     return kv
@@ -302,9 +338,23 @@ def _checked_device(device: torch.device | str) -> torch.device:
     return dev
 
 
-def _check_capacity(owners: list[tuple[str, Any, AttentionSpec]], num_blocks: int, device: torch.device) -> None:
-    """A ``ValueError`` naming ``num_blocks`` when the caches cannot fit the device's memory at all."""
-    total = 0
+def _checked_slots(num_state_slots: Any, mixers: dict[str, MambaBase]) -> int:
+    """``num_state_slots`` as an int (0 without mixer layers), or an error naming it."""
+    if not mixers:
+        return 0
+    if not isinstance(num_state_slots, (int, np.integer)) or isinstance(num_state_slots, bool) or num_state_slots <= 0:
+        raise ValueError(
+            f"num_state_slots: expected a positive int for this model's {len(mixers)} mixer layers (e.g. "
+            f"{next(iter(mixers))!r}), got {num_state_slots!r}; pass the most requests that run at once, e.g. "
+            "allocate_kv_cache(cfg, num_blocks, num_state_slots=64).")
+    return int(num_state_slots)
+
+
+def _check_capacity(owners: list[tuple[str, Any, AttentionSpec]], num_blocks: int, device: torch.device,
+                    extra: int = 0) -> None:
+    """A ``ValueError`` naming ``num_blocks`` when the caches (and ``extra`` bytes of mixer states)
+    cannot fit the device's memory at all."""
+    total = extra
     for _, backend, spec in owners:
         shape = backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
                                            spec.cache_dtype_str)
@@ -321,7 +371,7 @@ def _check_capacity(owners: list[tuple[str, Any, AttentionSpec]], num_blocks: in
         raise ValueError(
             f"num_blocks: expected at most {capacity // max(per_block, 1)} blocks on {device} ({capacity / 2**30:.1f} "
             f"GiB; one block of all {len(owners)} layers takes {per_block} bytes), got {num_blocks} "
-            f"({total / 2**30:.1f} GiB); lower num_blocks."
+            f"({total / 2**30:.1f} GiB, mixer states {extra / 2**30:.1f} of it); lower num_blocks (or num_state_slots)."
         )
 
 

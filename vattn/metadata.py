@@ -127,7 +127,7 @@ def _block_table_array(
 def build_common_attn_metadata(
     query_lens: Sequence[int] | torch.Tensor,
     num_computed_tokens: Sequence[int] | torch.Tensor,
-    block_tables: Sequence[Sequence[int]] | torch.Tensor,
+    block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
     block_size: int,
     device: torch.device | str = "cpu",
     *,
@@ -137,6 +137,7 @@ def build_common_attn_metadata(
     causal: bool = True,
     num_blocks: int | None = None,
     tree_parents: Sequence[int] | torch.Tensor | None = None,
+    state_indices: Sequence[int] | torch.Tensor | None = None,
 ) -> CommonAttentionMetadata:
     """Turn per-request facts into ``CommonAttentionMetadata`` (vectorized host work, one copy each).
 
@@ -144,7 +145,8 @@ def build_common_attn_metadata(
         query_lens: (B,) new tokens of each request, decodes first.
         num_computed_tokens: (B,) tokens each request already has in the cache.
         block_tables: B rows of block ids (lists, or a (B, max_blocks) int tensor used as is);
-            row r needs ``ceil(seq_len_r / block_size)`` ids.
+            row r needs ``ceil(seq_len_r / block_size)`` ids. None for models without attention
+            layers (only mixers): no K/V slot is written.
         block_size: tokens per block (the cache's).
         device: where the device tensors go (CPU mirrors are kept too).
         num_tokens_padded: pad the token dimension to this (padding slots are -1).
@@ -157,6 +159,10 @@ def build_common_attn_metadata(
         num_blocks: the cache's block count; block ids must be below it (checked when given).
         tree_parents: TREE_ATTN's draft trees: per new token, its parent's index among its request's
             new tokens (-1: the last cached token), flattened like the tokens; None: chains (causal).
+        state_indices: (B,) the state slot of each request, for models with mixer layers
+            (``vattn.GatedDeltaNet`` ...): distinct ids in ``[0, kv.num_state_slots)``, kept by a
+            request from its first step to its last; a request whose ``num_computed_tokens`` is 0
+            starts from a zero state whatever its slot holds. Padded requests get -1 (a scratch slot).
 
     New token ``i`` of request ``r`` sits at position ``num_computed_tokens[r] + i`` and goes to
     slot ``block_tables[r][pos // block_size] * block_size + pos % block_size``.
@@ -177,10 +183,14 @@ def build_common_attn_metadata(
             f"query_lens / num_computed_tokens: expected one entry per request in each, got {b} and "
             f"{computed.shape[0]}; describe the same requests in both, in the same order."
         )
-    table, row_lens = _block_table_array(block_tables, b, max_blocks_per_req)
+    no_cache = block_tables is None
+    table, row_lens = (np.zeros((b, 1), np.int64), None) if no_cache else _block_table_array(
+        block_tables, b, max_blocks_per_req)
     seq_lens = computed + qlens
     need = (seq_lens + (block_size - 1)) // block_size
-    if (row_lens < need).any():
+    if no_cache:
+        need = np.zeros_like(need)
+    elif (row_lens < need).any():
         r = int(np.nonzero(row_lens < need)[0][0])
         raise ValueError(
             f"block_tables[{r}]: expected ceil(seq_len / block_size) = {need[r]} block ids for request {r}'s "
@@ -216,14 +226,18 @@ def build_common_attn_metadata(
         all_q = np.concatenate([qlens, pad_q])
     qsl = np.zeros(b_pad + 1, dtype=np.int32)
     np.cumsum(all_q, out=qsl[1:])
-    if b_pad == b and table.shape[1]:
+    if no_cache:  # no column: an attention layer given this batch fails the cache's reach check
+        full_table = np.zeros((b_pad, 0), dtype=np.int32)
+    elif b_pad == b and table.shape[1]:
         full_table = table.astype(np.int32)
     else:
         full_table = np.zeros((b_pad, max(table.shape[1], 1)), dtype=np.int32)
         full_table[:b, : table.shape[1]] = table
 
     slot = np.full(t_pad, -1, dtype=np.int64)
-    if max_query_len == 1 and num_tokens == b:  # one token each (decodes): at the computed count
+    if no_cache:
+        pass
+    elif max_query_len == 1 and num_tokens == b:  # one token each (decodes): at the computed count
         req = np.arange(b)
         written = table[req, computed // block_size]
         slot[:b] = written * block_size + computed % block_size
@@ -232,8 +246,9 @@ def build_common_attn_metadata(
         pos = np.arange(num_tokens) - qsl[:-1][req] + computed[req]
         written = table[req, pos // block_size]
         slot[:num_tokens] = written * block_size + pos % block_size
-    attending = used if num_tokens == b and max_query_len == 1 else used & (qlens > 0)[:, None]
-    check_duplicate_blocks(table, attending, written, req, "block_tables", vals if attending is used else None)
+    if not no_cache:
+        attending = used if num_tokens == b and max_query_len == 1 else used & (qlens > 0)[:, None]
+        check_duplicate_blocks(table, attending, written, req, "block_tables", vals if attending is used else None)
 
     seq_all = (np.concatenate([seq_lens, pad_q]) if b_pad > b else seq_lens).astype(np.int32)
     qsl_dev, seq_dev, table_dev, slot_dev = to_device([qsl, seq_all, full_table, slot], torch.device(device))
@@ -257,7 +272,24 @@ def build_common_attn_metadata(
         causal=causal,
         host_checks=checks,
         tree_parents=None if tree_parents is None else _tree_parents(tree_parents, qlens, device),
+        **({} if state_indices is None else _state_indices(state_indices, b, b_pad, device)),
     )
+
+
+def _state_indices(indices: Sequence[int] | torch.Tensor, b: int, b_pad: int,
+                   device: torch.device | str) -> dict[str, torch.Tensor]:
+    """``state_indices`` / ``state_indices_cpu`` (int32, padded requests -1) after checking one
+    distinct slot >= 0 per request (the upper bound is checked against the cache)."""
+    fix = "give each request the state slot it keeps for its lifetime (distinct, >= 0, below kv.num_state_slots)."
+    arr = _int_kind("state_indices", np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices), fix)
+    if arr.ndim != 1 or arr.shape[0] != b:
+        raise ValueError(f"state_indices: expected one slot per request ({b}), got shape {arr.shape}; {fix}")
+    if b and (arr.min() < 0 or np.unique(arr).shape[0] != b):
+        raise ValueError(f"state_indices: expected distinct slots >= 0, got {arr.tolist()[:16]}; {fix}")
+    full = np.full(b_pad, -1, dtype=np.int32)
+    full[:b] = arr
+    cpu = torch.from_numpy(full)
+    return {"state_indices": cpu.to(device), "state_indices_cpu": cpu}
 
 
 def _tree_parents(parents: Sequence[int] | torch.Tensor, qlens: np.ndarray, device: torch.device | str) -> torch.Tensor:

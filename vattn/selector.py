@@ -202,6 +202,7 @@ def get_attn_backend(
     use_mask_mod: bool = False,
     use_score_mod: bool = False,
     mla_dims: tuple[int, int, int, int] | None = None,
+    is_attention_free: bool = False,
 ) -> type[AttentionBackend]:
     """Select the attention backend for a configuration and import it.
 
@@ -218,6 +219,8 @@ def get_attn_backend(
             declarations (``AttentionBackend.feature_reasons``).
         mla_dims: an MLA layer's ``(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)``,
             checked by MLA backends' ``mla_dims_reasons`` (``head_size`` is only their latent width).
+        is_attention_free: the model has no attention layers (only mixers): the placeholder
+            ``NO_ATTENTION`` is returned, as the seeds' selector does.
 
     Returns:
         The backend class (a subclass of ``AttentionBackend``).
@@ -226,6 +229,8 @@ def get_attn_backend(
         ValueError: no backend can serve the configuration, a forced backend cannot, or
             ``VATTN_ATTENTION_BACKEND`` names no backend. The message gives every reason.
     """
+    if is_attention_free:
+        return AttentionBackendEnum.NO_ATTENTION.get_class()
     if not isinstance(head_size, int) or isinstance(head_size, bool) or head_size <= 0:
         raise ValueError(f"get_attn_backend: head_size must be a positive int, got {head_size!r}.")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
@@ -339,7 +344,8 @@ def _cached_get_attn_backend(
 
     if selected is not None:
         if _not_implemented(selected):
-            implemented = [m.name for m in AttentionBackendEnum if m.is_implemented()]
+            implemented = [m.name for m in AttentionBackendEnum
+                           if m.is_implemented() and m is not AttentionBackendEnum.NO_ATTENTION]
             raise ValueError(
                 f"attention backend {selected.name} (forced by {source}) is not implemented in "
                 f"{vattn_version()}. Implemented backends: {', '.join(implemented)}. Force one of "

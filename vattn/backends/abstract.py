@@ -81,6 +81,7 @@ class CommonAttentionMetadata:
     | num_slot_tokens | int or None | real entries of slot_mapping: None = num_actual_tokens; cross-attention: the encoder tokens whose K/V this step writes |
     | host_checks | StepChecks | set at construction: the batch's host facts (vattn's helpers pass theirs) |
     | tree_parents | (>= num_actual_tokens,) int32, or None | TREE_ATTN: per new token, its parent's index among its request's new tokens (-1: the last cached token); None: each request's tokens form a chain (causal) |
+    | state_indices, state_indices_cpu | (B,) int32, or None | mixer layers (``vattn.mixers``): each request's state slot, -1 = padding (a scratch slot); None: the model has no mixer layers |
 
     Construction checks the fields on the host (``vattn.backends.checks.check_common_metadata``:
     dtypes, lengths, devices, what the host mirrors say; the slot mapping and block table too
@@ -108,6 +109,8 @@ class CommonAttentionMetadata:
     num_slot_tokens: int | None = None
     host_checks: StepChecks | None = field(default=None, repr=False, compare=False)
     tree_parents: torch.Tensor | None = None
+    state_indices: torch.Tensor | None = None
+    state_indices_cpu: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.host_checks = check_common_metadata(self)

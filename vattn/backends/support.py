@@ -97,7 +97,7 @@ def support_matrix_markdown(compact: bool = False) -> str:
     extra: list[str] = []
     named: list[str] = []
     for member in AttentionBackendEnum:
-        if not member.is_implemented():
+        if not member.is_implemented() or member is AttentionBackendEnum.NO_ATTENTION:  # a placeholder, no kernel
             continue
         cls = member.get_class()
         if compact and not cls.installable:

@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from vattn.compile_passes.trace_state import saving_trace
+from vattn.mixers.base import MambaBase
 
 if TYPE_CHECKING:
     from vattn.compile_passes.backend import VattnBackend
@@ -197,8 +198,9 @@ def _input_sig(v: Any, dims: Sequence[int]) -> tuple[Any, ...]:
 def _layer_sig(name: str, layer: Any) -> tuple[Any, ...]:
     impl = getattr(layer, "impl", None)
     fields = ("num_heads", "num_kv_heads", "head_size", "kv_cache_dtype", "attn_type", "sliding_window")
+    state = layer.get_kv_cache_spec(layer.dtype) if isinstance(layer, MambaBase) else None  # mixers' state
     return (name, type(impl).__module__ + "." + type(impl).__qualname__,
-            *(repr(getattr(layer, f, None)) for f in fields))
+            *(repr(getattr(layer, f, None)) for f in fields), repr(state))
 
 
 def cache_key(model: torch.nn.Module, config: Any, *, dynamic: Any, inputs: Sequence[tuple[str, Any, Sequence[int]]]) -> str:

@@ -220,7 +220,10 @@ def layers_digest(config: VattnConfig | None, facts: Any) -> str:
     """A hash of ``facts(layer)`` for every registered layer: part of a pass's ``uuid()`` when its
     decisions depend on the layers' backends (a cached graph must not be reused for others)."""
     cfg = config if config is not None else get_current_vattn_config()
-    items = sorted((name, repr(facts(layer))) for name, layer in cfg.compilation.static_forward_context.items())
+    from vattn.mixers.base import MambaBase
+
+    items = sorted((name, repr(facts(layer))) for name, layer in cfg.compilation.static_forward_context.items()
+                   if not isinstance(layer, MambaBase))  # mixers run no attention to fuse into
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 

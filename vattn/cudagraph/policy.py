@@ -237,7 +237,13 @@ def pad_common_attn_metadata(
         # The padding keeps the checks the batch passed valid: reuse them (no host work again).
         host_checks=None if facts is None else facts.for_padded((qsl_cpu, seq_cpu, bt, slots)),
         tree_parents=common.tree_parents,  # read for the real tokens only
+        state_indices=_pad_state(common.state_indices, b, extra),  # padded requests: the scratch slot (-1)
+        state_indices_cpu=_pad_state(common.state_indices_cpu, b, extra),
     )
+
+
+def _pad_state(indices: torch.Tensor | None, b: int, extra: int) -> torch.Tensor | None:
+    return None if indices is None else torch.cat([indices[:b], indices.new_full((extra,), -1)])
 
 
 def _exactly_sized(common: CommonAttentionMetadata) -> bool:
@@ -246,7 +252,8 @@ def _exactly_sized(common: CommonAttentionMetadata) -> bool:
     return (common.query_start_loc.shape[0] == common.query_start_loc_cpu.shape[0] == b + 1
             and common.seq_lens.shape[0] == common.seq_lens_cpu.shape[0] == b
             and common.num_computed_tokens_cpu.shape[0] == b
-            and common.block_table_tensor.shape[0] == b and common.slot_mapping.shape[0] == t)
+            and common.block_table_tensor.shape[0] == b and common.slot_mapping.shape[0] == t
+            and (common.state_indices is None or common.state_indices.shape[0] == b))
 
 
 def is_uniform_decode(common: CommonAttentionMetadata) -> bool:

@@ -154,7 +154,7 @@ class CUDAGraphRunner:
         self.model, self.config, self.kv = model, config, kv_cache
         self.sizes = resolve_capture_sizes(config, max_batch_size, capture_sizes)
         self.max_size = self.sizes[-1] if self.sizes else 0
-        self.device = next(iter(kv_cache.tensors.values())).device
+        self.device = kv_cache.device or torch.device("cpu")
         self.show_progress = show_progress
         self.max_model_len = max_model_len or kv_cache.num_blocks * kv_cache.block_size
         # Imported here: vattn.compile's module loads Inductor, which an eager model never needs.
@@ -206,7 +206,8 @@ class CUDAGraphRunner:
     # ---- capture -----------------------------------------------------------------------
 
     def _dummy_common(self, n: int) -> CommonAttentionMetadata:
-        """A decode batch of ``n`` requests of one token on block 0 that writes nothing (slot -1)."""
+        """A decode batch of ``n`` requests of one token on block 0 that writes nothing (slot -1; mixer
+        layers' scratch state slot)."""
         width = math.ceil(self.max_model_len / self.kv.block_size)
         dev = self.device
         qsl, seq = torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32)
@@ -215,6 +216,8 @@ class CUDAGraphRunner:
             num_computed_tokens_cpu=torch.zeros(n, dtype=torch.int32), num_reqs=n, num_actual_tokens=n,
             max_query_len=1, block_table_tensor=torch.zeros((n, width), dtype=torch.int32, device=dev),
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev), max_seq_len=1,
+            state_indices=torch.full((n,), -1, dtype=torch.int32, device=dev),  # mixers: the scratch slot
+            state_indices_cpu=torch.full((n,), -1, dtype=torch.int32),
         )
 
     def capture(self) -> None:

@@ -1,0 +1,211 @@
+"""What every mixer (Mamba-family) backend shares: the state spec, the per-step metadata and its
+builder, and the backend and impl base classes.
+
+A mixer layer keeps a fixed-size state per request instead of K/V per token: each running
+request owns a *state slot* (``CommonAttentionMetadata.state_indices``), and every state tensor
+of a layer has ``num_state_slots + 1`` rows, the last one a scratch slot that padded requests
+(index -1) read and write. A request whose ``num_computed_tokens`` is 0 starts from a zero state
+whatever its slot holds, so a new or preempted request needs no explicit reset.
+
+The kernels behind every backend share one varlen contract (``vattn.backends.mamba.torch_ops``
+on the CPU, ``vattn.backends.mamba.triton_ops`` on CUDA): tokens flattened by
+``query_start_loc``, one state slot and one ``has_initial_state`` flag per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from vattn.backends.abstract import (
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vattn.backends.batch_checks import fail
+
+if TYPE_CHECKING:
+    from vattn.config import VattnConfig
+    from vattn.mixers.base import MambaBase
+
+__all__ = ["MambaBackend", "MambaImpl", "MambaMetadata", "MambaMetadataBuilder", "MambaSpec", "kernels_for"]
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A mixer layer's state per request slot: one shape and dtype per state tensor (e.g. the
+    conv state (D, K-1) and the SSM state (H, P, N)). Layers with equal specs and backends share
+    one metadata builder."""
+
+    mamba_type: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(int(np.prod(s)) * torch.empty((), dtype=d).element_size() for s, d in zip(self.shapes, self.dtypes))
+
+
+@dataclass
+class MambaMetadata(AttentionMetadata):
+    """One step's metadata of a group of mixer layers. B = num_reqs (padded requests included).
+
+    | field | shape / type | meaning |
+    | --- | --- | --- |
+    | num_reqs | int | requests (padded ones included; they use the scratch slot) |
+    | num_actual_tokens | int | real tokens (rows of output written) |
+    | num_decodes, num_decode_tokens | int | leading requests of at most one new token, and their tokens |
+    | num_prefills | int | the other requests |
+    | max_query_len | int | longest new-token count |
+    | query_start_loc | (B + 1,) int32 | start of each request's tokens |
+    | query_start_loc_cpu | (B + 1,) int32, CPU | its host mirror |
+    | state_indices | (B,) int32 | each request's state slot (padding: the scratch slot ``num_state_slots``) |
+    | has_initial_state | (B,) bool | the request continues from its slot (``num_computed_tokens > 0``) |
+    | has_initial_state_cpu | (B,) bool, CPU | its host mirror |
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    has_initial_state_cpu: torch.Tensor
+
+
+class MambaMetadataBuilder(AttentionMetadataBuilder[MambaMetadata]):
+    """``CommonAttentionMetadata`` -> ``MambaMetadata``: device ops only (no host sync, no copy).
+
+    Uniform single-token decode batches up to the largest capture size write into persistent
+    buffers, so they replay from FULL CUDA graphs; other batches run eagerly or piecewise."""
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vattn_config: "VattnConfig",
+                 device: torch.device, num_state_slots: int = 0) -> None:
+        super().__init__(kv_cache_spec, layer_names, vattn_config, device)
+        self.num_state_slots = num_state_slots
+        n = max(vattn_config.compilation.capture_sizes(), default=0)
+        self._arange = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self._slots = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._initial = torch.zeros(n, dtype=torch.bool, device=self.device)
+        self._scratch = torch.tensor(num_state_slots, dtype=torch.int32, device=self.device)  # padding's slot
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> MambaMetadata:
+        cm = common_attn_metadata
+        b, t = cm.num_reqs, cm.num_actual_tokens
+        if cm.state_indices is None:
+            fail("CommonAttentionMetadata.state_indices", f"one state slot per request for the mixer layers "
+                 f"{self.layer_names[:2]}...", None, "pass state_indices= to kv.common_metadata / "
+                 "build_common_attn_metadata (InputBatch.prepare passes its rows)")
+        qsl_cpu = cm.query_start_loc_cpu[: b + 1]
+        initial_cpu = cm.num_computed_tokens_cpu[:b] > 0
+        decode = cm.max_query_len <= 1
+        if decode:
+            nd = b
+        else:
+            qlens = (qsl_cpu[1:] - qsl_cpu[:-1]).numpy()
+            nd = int(np.argmax(qlens > 1)) if b else 0
+        qsl, seq, raw = cm.query_start_loc[: b + 1], cm.seq_lens[:b], cm.state_indices[:b]
+        if decode and t == b and b <= self._slots.shape[0]:
+            # Persistent buffers (a FULL graph reads these addresses): uniform decode only.
+            qsl, slots, initial = self._arange[: b + 1], self._slots[:b], self._initial[:b]
+            torch.gt(seq, 1, out=initial)
+        else:
+            slots = torch.empty(b, dtype=torch.int32, device=raw.device)
+            initial = (seq - (qsl[1:] - qsl[:-1])) > 0
+        torch.where(raw < 0, self._scratch, raw, out=slots)
+        return MambaMetadata(
+            num_reqs=b, num_actual_tokens=t, num_decodes=nd, num_decode_tokens=nd if decode else int(qsl_cpu[nd]),
+            num_prefills=b - nd, max_query_len=cm.max_query_len, query_start_loc=qsl, query_start_loc_cpu=qsl_cpu,
+            state_indices=slots, has_initial_state=initial, has_initial_state_cpu=initial_cpu)
+
+
+def kernels_for(device: torch.device) -> ModuleType:
+    """The varlen state kernels for ``device``: Triton on CUDA, torch elsewhere."""
+    if device.type == "cuda":
+        from vattn.backends.mamba import triton_ops
+
+        return triton_ops
+    from vattn.backends.mamba import torch_ops
+
+    return torch_ops
+
+
+class MambaImpl:
+    """Runs one mixer layer's step: ``forward(layer, inputs, output, state, metadata, part)``.
+
+    ``inputs`` are the layer's per-token tensors and weights in the order its ``forward``
+    documents; ``state`` the layer's state tensors (slots on dim 0); ``part`` selects the
+    entry of layers with two (Mamba1: 0 = conv, 1 = scan)."""
+
+    def __init__(self, layer: "MambaBase") -> None:
+        self.layer_name = layer.layer_name
+
+    def forward(self, layer: "MambaBase", inputs: list[torch.Tensor | None], output: torch.Tensor,
+                state: tuple[torch.Tensor, ...], md: MambaMetadata, part: int = 0) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def common_args(md: MambaMetadata) -> tuple[Any, ...]:
+        """The kernels' trailing batch arguments."""
+        return md.query_start_loc, md.state_indices, md.has_initial_state, md.num_reqs
+
+
+class MambaBackend:
+    """Static description of a mixer backend (the ``MambaAttentionBackendEnum`` members' classes).
+
+    Subclasses set ``name``, ``mamba_type`` and ``impl_cls``."""
+
+    name: ClassVar[str] = ""
+    mamba_type: ClassVar[str] = ""
+    impl_cls: ClassVar[type[MambaImpl]] = MambaImpl
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    runs_on_cpu: ClassVar[bool] = True
+    supports_tree_parents: ClassVar[bool] = False
+    installable: ClassVar[bool] = True
+    feature_notes: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.name
+
+    @classmethod
+    def get_impl_cls(cls) -> type[MambaImpl]:
+        return cls.impl_cls
+
+    @staticmethod
+    def get_builder_cls() -> type[MambaMetadataBuilder]:
+        return MambaMetadataBuilder
+
+    @staticmethod
+    def get_metadata_cls() -> type[MambaMetadata]:
+        return MambaMetadata
+
+    @classmethod
+    def get_cudagraph_support(cls) -> AttentionCGSupport:
+        return cls.get_builder_cls().cudagraph_support
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        return True, ""
+
+    @classmethod
+    def validate_configuration(cls, mamba_type: str, dtype: torch.dtype) -> list[str]:
+        """Why this backend cannot serve a ``mamba_type`` layer of ``dtype`` (empty: it can)."""
+        reasons = []
+        if mamba_type != cls.mamba_type:
+            reasons.append(f"{cls.name} serves {cls.mamba_type!r} layers, not {mamba_type!r}")
+        if dtype not in cls.supported_dtypes:
+            reasons.append(f"dtype {dtype} not in {cls.supported_dtypes}")
+        return reasons
