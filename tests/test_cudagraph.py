@@ -731,9 +731,12 @@ M = vattn.CUDAGraphMode
 # Another library's CUDA graph runs a GEMM first (a benchmark's do_bench, say): torch caches the
 # cuBLAS workspace of the shared capture stream in that graph's private pool. The graph goes.
 lin = nn.Linear(512, 512, device="cuda")
+x0 = torch.randn(8, 512, device="cuda")
+lin(x0)  # cuBLAS initialised before the capture (a handle cannot be created inside one)
+torch.cuda.synchronize()
 g0 = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g0):
-    lin(torch.randn(8, 512, device="cuda"))
+    lin(x0)
 del g0, lin
 
 

@@ -242,7 +242,7 @@ def test_cuda_steps_stage_through_pinned_memory_without_a_sync() -> None:
                            max_num_tokens=256)
     cpu = vattn.InputBatch(max_num_reqs=64, max_blocks_per_req=32, block_size=BS, num_blocks=4096, device="cpu",
                            max_num_tokens=256)
-    rows = np.array([b.add_row(list(range(30 * i, 30 * i + 30)), 3 * i) for b in (gpu, cpu) for i in range(48)][:48])
+    rows = np.array([b.add_row(list(range(30 * i, 30 * i + 30)), 2 * i) for b in (gpu, cpu) for i in range(48)][:48])
     rows.setflags(write=False)
     assert all(t.is_pinned() for t in gpu._staging)
     x = torch.randn(4096, 4096, device="cuda")
@@ -255,5 +255,5 @@ def test_cuda_steps_stage_through_pinned_memory_without_a_sync() -> None:
             b.num_computed_tokens[rows] += 1
     torch.cuda.synchronize()
     for got, want in steps[-2:]:  # the ring keeps the last two steps intact
-        for f in ("query_start_loc", "seq_lens", "slot_mapping", "block_table_tensor"):
+        for f in ("query_start_loc", "seq_lens", "slot_mapping", "block_table_tensor", "state_indices"):
             assert getattr(got, f).is_cuda and torch.equal(getattr(got, f).cpu(), getattr(want, f)), f

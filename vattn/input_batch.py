@@ -88,6 +88,8 @@ class InputBatch:
         self.num_blocks = _positive("num_blocks", num_blocks)
         self.max_num_tokens = _positive("max_num_tokens", max_num_tokens)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: cuda:<current>
+            self.device = torch.device("cuda", torch.cuda.current_device())
         #: (R, W) int32: row r's block ids in its first ``num_blocks_per_row[r]`` columns.
         self.block_table = np.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         #: (R,) int32: block ids each row holds.
