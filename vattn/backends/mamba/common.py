@@ -117,7 +117,7 @@ class MambaMetadataBuilder(AttentionMetadataBuilder[MambaMetadata]):
             qlens = (qsl_cpu[1:] - qsl_cpu[:-1]).numpy()
             nd = int(np.argmax(qlens > 1)) if b else 0
         qsl, seq, raw = cm.query_start_loc[: b + 1], cm.seq_lens[:b], cm.state_indices[:b]
-        if decode and t == b and b <= self._slots.shape[0]:
+        if decode and int(qsl_cpu[b]) == b and b <= self._slots.shape[0]:  # one token each, padding included
             # Persistent buffers (a FULL graph reads these addresses): uniform decode only.
             qsl, slots, initial = self._arange[: b + 1], self._slots[:b], self._initial[:b]
             torch.gt(seq, 1, out=initial)
@@ -170,7 +170,7 @@ class MambaBackend:
     name: ClassVar[str] = ""
     mamba_type: ClassVar[str] = ""
     impl_cls: ClassVar[type[MambaImpl]] = MambaImpl
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     runs_on_cpu: ClassVar[bool] = True
     supports_tree_parents: ClassVar[bool] = False
     installable: ClassVar[bool] = True

@@ -86,14 +86,14 @@ def _conv_kernel(x, sx, w, bias, state, ss0, ss1, out, so, qsl, slots, initial, 
     tl.store(out + (start + t)[:, None] * so + d[None, :], acc.to(out.dtype.element_ty), mask=tm[:, None] & dm[None, :])
     if tl.program_id(2) == 0:
         # The new state: the K-1 inputs before the next token; only this program read the old one.
-        j = tl.arange(0, KP)
-        jm = j < K - 1
-        p = length - (K - 1) + j
+        col = tl.arange(0, KP)
+        jm = col < K - 1
+        p = length - (K - 1) + col
         xv = tl.load(x + (start + p)[None, :] * sx + d[:, None], mask=(jm & (p >= 0))[None, :] & dm[:, None], other=0.0)
         sv = tl.load(srow + d[:, None] * ss1 + (K - 1 + p)[None, :], mask=(jm & (p < (init - 1) * K))[None, :] & dm[:, None],
                      other=0.0)
         new = xv.to(tl.float32) + sv.to(tl.float32)
-        tl.store(srow + d[:, None] * ss1 + j[None, :], new.to(state.dtype.element_ty), mask=jm[None, :] & dm[:, None])
+        tl.store(srow + d[:, None] * ss1 + col[None, :], new.to(state.dtype.element_ty), mask=jm[None, :] & dm[:, None])
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
