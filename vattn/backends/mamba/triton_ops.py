@@ -84,16 +84,22 @@ def _conv_kernel(x, sx, w, bias, state, ss0, ss1, out, so, qsl, slots, initial, 
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(out + (start + t)[:, None] * so + d[None, :], acc.to(out.dtype.element_ty), mask=tm[:, None] & dm[None, :])
-    if tl.program_id(2) == 0:
-        # The new state: the K-1 inputs before the next token; only this program read the old one.
-        col = tl.arange(0, KP)
-        jm = col < K - 1
-        p = length - (K - 1) + col
-        xv = tl.load(x + (start + p)[None, :] * sx + d[:, None], mask=(jm & (p >= 0))[None, :] & dm[:, None], other=0.0)
-        sv = tl.load(srow + d[:, None] * ss1 + (K - 1 + p)[None, :], mask=(jm & (p < (init - 1) * K))[None, :] & dm[:, None],
-                     other=0.0)
-        new = xv.to(tl.float32) + sv.to(tl.float32)
-        tl.store(srow + d[:, None] * ss1 + col[None, :], new.to(state.dtype.element_ty), mask=jm[None, :] & dm[:, None])
+    if tl.program_id(2) == 0:  # only this program read the old state: it writes the new one
+        _conv_new_state(x, sx, srow, ss1, start, length, init, d, dm, K, KP)
+
+
+@triton.jit
+def _conv_new_state(x, sx, srow, ss1, start, length, init, d, dm, K: tl.constexpr, KP: tl.constexpr):
+    """Write the K-1 inputs before the request's next token (from x, or from the old state when the
+    request had fewer than K-1 tokens) into its conv state row."""
+    col = tl.arange(0, KP)
+    cm = col < K - 1
+    pos = length - (K - 1) + col
+    xv = tl.load(x + (start + pos)[None, :] * sx + d[:, None], mask=(cm & (pos >= 0))[None, :] & dm[:, None], other=0.0)
+    sv = tl.load(srow + d[:, None] * ss1 + (K - 1 + pos)[None, :], mask=(cm & (pos < (init - 1) * K))[None, :] & dm[:, None],
+                 other=0.0)
+    new = xv.to(tl.float32) + sv.to(tl.float32)
+    tl.store(srow + d[:, None] * ss1 + col[None, :], new.to(srow.dtype.element_ty), mask=cm[None, :] & dm[:, None])
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
