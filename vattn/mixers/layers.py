@@ -20,9 +20,9 @@ def _positive(where: str, **values: Any) -> None:
             raise ValueError(f"{where}: {name}: expected a positive int, got {v!r}; pass the model config's value.")
 
 
-def _zeros(x: torch.Tensor, *shape: int) -> torch.Tensor:
-    # Zero-filled: rows of padded tokens (past the batch's real ones) are never written by the kernels.
-    return torch.zeros(shape, dtype=x.dtype, device=x.device)
+def _out(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    # As vattn.Attention's output: rows of padding tokens that no request owns are not written.
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
 
 
 class ShortConv(MambaBase):
@@ -49,7 +49,7 @@ class ShortConv(MambaBase):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = self._tokens("x", x, self.dim, f"vattn.ShortConv({self.layer_name!r})")
-        out = _zeros(x, x.shape[0], self.dim)
+        out = _out(x, x.shape[0], self.dim)
         return self._run([x, weight.reshape(self.dim, self.kernel_size), bias], out)
 
 
@@ -90,7 +90,7 @@ class GatedDeltaNet(MambaBase):
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         mixed_qkv = self._tokens("mixed_qkv", mixed_qkv, self.conv_dim, f"vattn.GatedDeltaNet({self.layer_name!r})")
-        out = _zeros(mixed_qkv, mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
+        out = _out(mixed_qkv, mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
         weight = conv_weight.reshape(self.conv_dim, self.conv_kernel_size)
         return self._run([mixed_qkv, weight, conv_bias, g, beta], out)
 
@@ -129,7 +129,7 @@ class Mamba2Mixer(MambaBase):
                 dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None = None,  # noqa: N803
                 dt_bias: torch.Tensor | None = None) -> torch.Tensor:
         xBC = self._tokens("xBC", xBC, self.conv_dim, f"vattn.Mamba2Mixer({self.layer_name!r})")  # noqa: N806
-        out = _zeros(xBC, xBC.shape[0], self.num_heads, self.head_dim)
+        out = _out(xBC, xBC.shape[0], self.num_heads, self.head_dim)
         weight = conv_weight.reshape(self.conv_dim, self.conv_kernel_size)
         return self._run([xBC, weight, conv_bias, dt, A, D, dt_bias], out)
 
@@ -162,14 +162,14 @@ class Mamba1Mixer(MambaBase):
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = self._tokens("x", x, self.intermediate_size, f"vattn.Mamba1Mixer({self.layer_name!r}).conv")
-        out = _zeros(x, x.shape[0], self.intermediate_size)
+        out = _out(x, x.shape[0], self.intermediate_size)
         return self._run([x, weight.reshape(self.intermediate_size, self.conv_kernel_size), bias], out, 0)
 
     def scan(self, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,  # noqa: N803
              C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,  # noqa: N803
              delta_bias: torch.Tensor | None = None) -> torch.Tensor:
         u = self._tokens("u", u, self.intermediate_size, f"vattn.Mamba1Mixer({self.layer_name!r}).scan")
-        out = _zeros(u, u.shape[0], self.intermediate_size)
+        out = _out(u, u.shape[0], self.intermediate_size)
         return self._run([u, delta, A, B, C, D, z, delta_bias], out, 1)
 
     forward = scan
@@ -202,4 +202,4 @@ class LinearAttention(MambaBase):
         h, d, dv = self.num_heads, self.head_size, self.value_head_size
         t = q.shape[0]
         q, k, v = q.reshape(t, h, d), k.reshape(t, h, d), v.reshape(t, h, dv)
-        return self._run([q, k, v, slope], _zeros(q, t, h, dv))
+        return self._run([q, k, v, slope], _out(q, t, h, dv))
