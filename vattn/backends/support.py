@@ -116,5 +116,5 @@ def support_matrix_markdown(compact: bool = False) -> str:
         extra += [f"- {member.name}, {key}: {note}" for key, note in sorted(notes.items())]
     if compact:
         extra = ["`*`: qualified (`python -m vattn --support-matrix` says how)."
-                 + (f" Named, kernels not installable by vattn: {', '.join(named)}." if named else "")]
+                 + (f" Named, not installable by vattn: {', '.join(named)}." if named else "")]
     return "\n".join(rows) + ("\n\n" + "\n".join(extra) if extra else "") + "\n"
