@@ -17,8 +17,9 @@ its slot), ``prefill-4x1024`` (four new requests of 1024 tokens). Both columns a
 replays of one step with the same metadata and inputs (``benchmarks.common.bench_cuda_graph``):
 
 * ``layer_ms``: the vattn layer's call (output allocation, the opaque op, the impl);
-* ``bare_ms``: the same kernels called directly (``vattn.backends.mamba.triton_ops``) into
-  preallocated outputs: what a user of the kernels alone would launch.
+* ``bare_ms``: the same kernels called directly (``vattn.backends.mamba.triton_ops``; GDN prompts
+  through fla's chunked kernel where fla-core is installed, as the layer does) into preallocated
+  outputs: what a user of the kernels alone would launch.
 
 ``ratio = layer_ms / bare_ms`` (target <= 1.05). For GDN decode, ``state_tb_s`` is the recurrent
 state read and written by the delta-rule kernel alone over its time, and ``copy_frac`` that over
@@ -130,10 +131,19 @@ class Setup:
                 q, kk, v = conv.split([hk * dk, hk * dk, hv * dv], -1)
                 out = torch.empty(t, hv, dv, device=conv.device, dtype=DT)
 
+                from vattn.backends.mamba.fla_ops import chunked_prefill, fla_chunk_fn
+
+                qs, ks, vs = q.view(t, hk, dk), kk.view(t, hk, dk), v.view(t, hv, dv)
+                chunked = md.num_prefills > 0 and md.num_decodes == 0 and fla_chunk_fn() is not None
+
                 def run() -> None:
                     k.causal_conv1d(x[0], w["w"], w["b"], state[0], *batch, "silu", conv)
-                    k.gated_delta_rule(q.view(t, hk, dk), kk.view(t, hk, dk), v.view(t, hv, dv), x[1], x[2],
-                                       lay.scale, True, state[1], *batch, out)
+                    if chunked:  # the layer hands prompts to fla where it is installed
+                        chunked_prefill(qs, ks, vs, x[1], x[2], lay.scale, True, state[1], md.query_start_loc,
+                                        md.query_start_loc_cpu, md.state_indices, md.has_initial_state, 0,
+                                        md.num_reqs, out)
+                    else:
+                        k.gated_delta_rule(qs, ks, vs, x[1], x[2], lay.scale, True, state[1], *batch, out)
                 return run
             h, p, gr, n = lay.num_heads, lay.head_dim, lay.n_groups, lay.state_size
             xs, b, c = conv.split([h * p, gr * n, gr * n], -1)
@@ -194,6 +204,10 @@ def main() -> None:
             layer = bench_cuda_graph(s.layer_call, rep=rep)["median_ms"]
             bare = bench_cuda_graph(s.bare(), rep=rep)["median_ms"]
             row: dict[str, Any] = {"kind": kind, "case": case, "layer_ms": layer, "bare_ms": bare, "ratio": layer / bare}
+            if kind == "gdn" and qlen > 1:
+                from vattn.backends.mamba.fla_ops import fla_chunk_fn
+
+                row["prefill_kernel"] = "fla chunked" if fla_chunk_fn() is not None else "vattn recurrent"
             if kind == "gdn" and qlen == 1:
                 run, nbytes = s.delta_rule_only()
                 ms = bench_cuda_graph(run, rep=rep)["median_ms"]

@@ -226,9 +226,11 @@ def _run_steps(case: Case, layer, w, cfg, kv, seqs: dict[int, torch.Tensor], sch
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_steps_over_state_slots_equal_the_whole_sequence(case, device):
+def test_steps_over_state_slots_equal_the_whole_sequence(case, device, monkeypatch):
     """Chunked prefills, decodes and mixed batches over permuted slots equal one pass over each whole
-    sequence; slots no request names stay bit-identical."""
+    sequence; slots no request names stay bit-identical (vattn's own kernels: fla's, which compute
+    in tf32 / bf16, have their own test)."""
+    monkeypatch.setattr("vattn.backends.mamba.gdn_attn.fla_chunk_fn", lambda: None)
     torch.manual_seed(0)
     cfg, layer, kv = _setup(case, device=device)
     w = _weights(case, device)
@@ -367,6 +369,35 @@ def test_attention_free_models_get_the_placeholder():
 
 
 @pytest.mark.cuda
+def test_gdn_prefills_through_fla_equal_the_recurrent_kernel(monkeypatch):
+    """With fla-core installed, GDN prompts run fla's chunked kernels (bf16): same outputs and states
+    as vattn's recurrent kernel, within bf16 tolerance, on a batch of decodes and prompts."""
+    from vattn.backends.mamba.fla_ops import fla_chunk_fn
+
+    if fla_chunk_fn() is None:
+        pytest.skip("fla-core is not installed (pip install fla-core)")
+    torch.manual_seed(4)
+    results = []
+    for use_fla in (True, False):
+        if not use_fla:
+            monkeypatch.setattr("vattn.backends.mamba.gdn_attn.fla_chunk_fn", lambda: None)
+        with _dtype(torch.bfloat16):
+            cfg, layer, kv = _setup(CASES[0], device="cuda")
+        torch.manual_seed(5)
+        w = {k: v.to("cuda", torch.bfloat16) for k, v in CASES[0].weights().items()}
+        outs = []
+        for lens, done in (([7, 70, 33], [0, 0, 0]), ([1, 1, 5], [7, 70, 33])):
+            x = torch.randn(sum(lens), CASES[0].width, device="cuda", dtype=torch.bfloat16)
+            common = kv.common_metadata(lens, done, None, state_indices=[3, 0, 5])
+            with vattn.set_forward_context(kv.build_metadata(common), cfg):
+                outs.append(CASES[0].step(layer, w, x).float())
+        results.append((outs, [t.float() for t in layer.kv_cache[0]]))
+    (a, sa), (b, sb) = results
+    for x, y in zip(a + sa, b + sb):
+        torch.testing.assert_close(x, y, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_full_graph_replay_equals_eager(case):
     """Uniform decode steps replayed from FULL CUDA graphs (padded to a captured size) give the eager
@@ -420,7 +451,7 @@ def test_fuzz_1000_mixed_batches_with_graph_replay(case):
     cfg_gpu = vattn.VattnConfig(compilation=vattn.CompilationConfig(cudagraph_mode=vattn.CUDAGraphMode.FULL,
                                                                    cudagraph_capture_sizes=(1, 2, 4, 8, 16)))
     cfg_gpu, gpu, kv_gpu = _setup(case, slots=slots, device="cuda", cfg=cfg_gpu)
-    with _float64():
+    with _dtype(torch.float64):
         cfg_cpu, cpu, kv_cpu = _setup(case, slots=slots)
     w_cpu = {k: v.double() for k, v in case.weights().items()}
     w_gpu = {k: v.float().cuda() for k, v in w_cpu.items()}
@@ -456,9 +487,9 @@ def test_fuzz_1000_mixed_batches_with_graph_replay(case):
 
 
 @contextlib.contextmanager
-def _float64():
+def _dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
