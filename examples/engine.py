@@ -23,6 +23,14 @@ pending. The tokens are the same as with ``async_scheduling=False``, which syncs
 A request's tokens are ``prompt + outputs``; ``num_computed_tokens`` of them have K/V in the
 cache. The step gives it ``n`` new tokens; when that reaches its last token the logits of
 that position sample its next token (a chunk that ends mid-prompt samples nothing).
+
+Models with mixer layers (``vattn.GatedDeltaNet`` ...; ``examples/hybrid_model.py``) keep a
+fixed-size state per request besides the K/V: a request's ``InputBatch`` row is its state slot
+(``InputBatch.prepare`` passes the rows as ``state_indices``), so the cache needs
+``allocate_kv_cache(..., num_state_slots=max_num_seqs)``. A request whose ``num_computed_tokens``
+is 0 starts from a zero state, so a preempted request (recomputed from its first token) needs no
+explicit reset; after a step that raised, the requests it ran are recomputed the same way
+(``Scheduler.restart``), since their states may have advanced part-way.
 """
 
 from __future__ import annotations
@@ -250,6 +258,16 @@ class Scheduler:
         if req.row is not None:
             self.batch.free_row(req.row)
         req.block_ids, req.row = [], None
+        self._steady = None
+
+    def restart(self, req: Request) -> None:
+        """Compute running request ``req`` again from its first token, keeping its blocks and row:
+        for models with mixer layers, whose state a step that raised (or ``Engine._isolate``'s
+        trials) may have advanced part-way. With ``num_computed_tokens`` 0 its next step starts the
+        state from zeros; its K/V is rewritten with the same values."""
+        req.num_computed_tokens = 0
+        if req.row is not None:
+            self.batch.num_computed_tokens[req.row] = 0
         self._steady = None
 
     def _preempt(self, req: Request) -> None:
@@ -505,7 +523,8 @@ class Engine:
     Args:
         model: ``examples.model.DecoderForCausalLM`` (or anything with ``forward(ids, pos)``
             and ``compute_logits``), built under ``vattn_config``.
-        kv: the ``vattn.PagedKVCache`` bound to the model's layers.
+        kv: the ``vattn.PagedKVCache`` bound to the model's layers (for a model with mixer layers,
+            allocated with ``num_state_slots >= max_num_seqs``).
         forward_fn: what runs ``model.forward`` inside ``vattn.set_forward_context`` (e.g. a
             compiled model); default: the model.
         graph_runner: a ``vattn.CUDAGraphRunner`` (``runner(input_ids, positions, common)``); when
@@ -546,6 +565,13 @@ class Engine:
         if graph_runner is not None and pad_tokens_to != 1:
             raise ValueError("with graph_runner, leave pad_tokens_to at 1: the runner pads.")
         self.block_size = kv.block_size
+        #: The model keeps mixer state per request (slot = the request's InputBatch row).
+        self.stateful = bool(getattr(kv, "states", None))
+        if self.stateful and kv.num_state_slots < max_num_seqs:
+            raise ValueError(
+                f"Engine: kv has {kv.num_state_slots} state slots for the model's mixer layers, expected at least "
+                f"max_num_seqs = {max_num_seqs} (each running request uses the slot of its InputBatch row); "
+                f"allocate the cache with vattn.allocate_kv_cache(..., num_state_slots={max_num_seqs}).")
         self.allocator = BlockAllocator(kv.num_blocks)
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.scheduler = Scheduler(self.allocator, self.block_size, max_num_batched_tokens=max_num_batched_tokens,
@@ -694,6 +720,11 @@ class Engine:
             sampled, samplers = self._launch(scheduled)
         except Exception as error:  # noqa: BLE001  (attributed to requests by _isolate, else raised)
             failed = self._isolate(scheduled, error)
+            if self.stateful:  # mixer states the step (or a trial) advanced part-way: recompute those requests
+                running = set(map(id, self.scheduler.running))
+                for req, _ in scheduled:
+                    if id(req) in running:
+                        self.scheduler.restart(req)
             if failed is None:
                 raise
             if self.check_invariants:
@@ -770,8 +801,9 @@ class Engine:
         finished with its error (``Scheduler.fail``); None if there is none (only the whole batch
         fails). Bisects: each half that raises is split again, down to single requests, so one
         culprit among S requests costs about 2 log2(S) trial launches. Trials write K/V only at
-        their requests' own new slots, which the step that computes those tokens writes again;
-        their samples are dropped (with temperature they still draw from the engine's generator)."""
+        their requests' own new slots, which the step that computes those tokens writes again (a
+        model's mixer states they advance are recomputed: ``step`` restarts the requests); their
+        samples are dropped (with temperature they still draw from the engine's generator)."""
         culprits: list[tuple[Request, Exception]] = []
 
         def search(part: list[tuple[Request, int]], err: Exception) -> None:

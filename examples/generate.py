@@ -7,9 +7,15 @@ finish at different lengths. Prints prefill and decode tokens/s.
     python examples/generate.py                                   # CPU, tiny preset, a few seconds
     python examples/generate.py --device cuda --preset llama-3.2-1b --compile --cudagraph \\
         --num-requests 64 --prompt-len 512 --output-len 64
+    python examples/generate.py --preset qwen3-next-tiny          # hybrid: Gated DeltaNet + attention, CPU
+    python examples/generate.py --device cuda --preset qwen3-next-16l --compile --cudagraph   # Qwen3-Next widths
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --device cpu      # tensor parallel, gloo
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --preset llama-3-8b --compile --cudagraph
     python examples/generate.py --hf /path/to/checkpoint --prompt "The capital of France is"   # transformers model
+
+The ``qwen3-next-*`` presets are ``examples/hybrid_model.py``'s Qwen3-Next-style hybrid (Gated
+DeltaNet layers with a state per request, attention in every fourth layer; one device, no ``--tp``):
+its cache gets a state slot per engine row (``num_state_slots=--max-num-seqs``).
 
 ``--hf PATH`` runs a local transformers checkpoint directory (config.json and safetensors) through
 ``vattn.integrations.transformers`` (its attention on vattn, the rest transformers' own code). With
@@ -49,6 +55,8 @@ from tqdm import tqdm
 import vattn
 from examples.engine import Engine, SamplingParams
 from examples.gemv import OneTokenGemv, gemv_lm_head
+from examples.hybrid_model import HYBRID_PRESETS, HybridForCausalLM, get_hybrid_preset
+from examples.hybrid_model import init_random_weights as init_hybrid_weights
 from examples.model import PRESETS, DecoderForCausalLM, get_preset, init_random_weights
 from examples.tp import TensorParallel, tensor_parallel_run
 
@@ -101,8 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="model shape (default: tiny on CPU, llama-3.2-1b on CUDA)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS) + sorted(HYBRID_PRESETS),
+                   help="model shape (default: tiny on CPU, llama-3.2-1b on CUDA); qwen3-next-*: the Qwen3-Next-style "
+                        "hybrid of examples/hybrid_model.py (Gated DeltaNet, attention every fourth layer)")
     p.add_argument("--hf", default=None, metavar="PATH",
                    help="run a local transformers checkpoint directory (config.json + safetensors) instead of a preset")
     p.add_argument("--prompt", action="append", default=None,
@@ -163,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}.")
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}; 1 samples from the whole distribution.")
+    if args.preset in HYBRID_PRESETS and args.tp != 1:
+        p.error(f"--preset {args.preset} (a hybrid model) runs on one device; leave out --tp.")
     if args.hf is not None and args.tp != 1:
         p.error("--hf runs on one device; tensor parallelism (--tp) is for the example model's presets.")
     if args.prompt and args.hf is None:
@@ -239,12 +250,15 @@ def build_hf(args: argparse.Namespace) -> tuple[Any, vattn.VattnConfig, Any, Any
 
 
 def build(args: argparse.Namespace, tp: TensorParallel | None = None
-          ) -> tuple[DecoderForCausalLM, vattn.VattnConfig, Any]:
+          ) -> tuple[DecoderForCausalLM | HybridForCausalLM, vattn.VattnConfig, Any]:
     """The model (random weights on ``args.device``; this rank's shard under ``tp``) and its vattn
-    config and paged KV cache (this rank's KV heads)."""
+    config and paged KV cache (this rank's KV heads; for a hybrid preset also a state slot per
+    engine row: the scheduler's ``InputBatch`` rows are the state slots)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    mcfg = get_preset(args.preset, max_position_embeddings=min(
-        PRESETS[args.preset].max_position_embeddings, max(4096, args.prompt_len + args.output_len)))
+    hybrid = args.preset in HYBRID_PRESETS
+    presets, get = (HYBRID_PRESETS, get_hybrid_preset) if hybrid else (PRESETS, get_preset)
+    mcfg: Any = get(args.preset, max_position_embeddings=min(
+        presets[args.preset].max_position_embeddings, max(4096, args.prompt_len + args.output_len)))
     sizes = tuple(int(x) for x in args.compile_sizes.split(",") if x.strip())
     cfg = vattn.VattnConfig(cache=vattn.CacheConfig(block_size=args.block_size, cache_dtype=args.kv_cache_dtype),
                             compilation=vattn.CompilationConfig(compile_sizes=sizes, cache_dir=args.compile_cache_dir,
@@ -254,14 +268,15 @@ def build(args: argparse.Namespace, tp: TensorParallel | None = None
     try:
         with vattn.global_force_attn_backend_context_manager(args.backend), \
                 vattn.set_current_vattn_config(cfg), torch.device(device):
-            model = DecoderForCausalLM(mcfg, tp=tp)
+            model = HybridForCausalLM(mcfg) if hybrid else DecoderForCausalLM(mcfg, tp=tp)
     finally:
         torch.set_default_dtype(old_dtype)
-    init_random_weights(model, seed=args.seed)
+    (init_hybrid_weights if hybrid else init_random_weights)(model, seed=args.seed)
     model.eval()
     per_req = -(-(args.prompt_len + args.output_len) // args.block_size)
     num_blocks = args.num_blocks or per_req * min(args.num_requests, args.max_num_seqs) + per_req
-    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype,
+                                 num_state_slots=args.max_num_seqs)  # (ignored by a model without mixer layers)
     return model, cfg, kv
 
 
