@@ -43,7 +43,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     cu = (query_start_loc[first:last + 1] - query_start_loc[first]).long()
     cu_cpu = (query_start_loc_cpu[first:last + 1] - t0).long()
     slots = state_indices[first:last].long()
-    h0 = state[slots] * has_initial_state[first:last].view(-1, 1, 1, 1).to(state.dtype)
+    h0 = state[slots]  # selected, not multiplied: a fresh slot may hold anything (0 * nan is nan)
+    h0 = torch.where(has_initial_state[first:last].view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
     q, k, v = (x[t0:t1].contiguous()[None] for x in (q, k, v))  # fla reads [1, T, H, D] contiguous
     o, ht = fn(q, k, v, g[None, t0:t1].float(), beta[None, t0:t1].to(q.dtype),
                scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
