@@ -53,9 +53,9 @@ DT = torch.bfloat16
 class Setup:
     """One layer of ``kind`` on CUDA with its state, weights, a batch and both call paths."""
 
-    def __init__(self, kind: str, batch: int, qlen: int, slots: int) -> None:
+    def __init__(self, kind: str, batch: int, qlen: int, slots: int, ssm_dtype: str = "float32") -> None:
         self.kind = kind
-        cfg = vattn.VattnConfig()
+        cfg = vattn.VattnConfig(cache=vattn.CacheConfig(mamba_ssm_cache_dtype=ssm_dtype))
         dev = "cuda"
         g = torch.Generator(device=dev).manual_seed(0)
 
@@ -191,23 +191,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kinds", default="gdn,mamba2,mamba1,short_conv,linear")
     p.add_argument("--quick", action="store_true", help="shorter timing")
+    p.add_argument("--cases", default="decode-1,decode-64,prefill-4x1024")
+    p.add_argument("--ssm-dtype", default="float32", help="CacheConfig.mamba_ssm_cache_dtype (auto: bf16 here)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mixers needs a CUDA GPU (the layers' Triton kernels and CUDA graphs).")
     rep = 30 if args.quick else 100
-    cases = [("decode-1", 1, 1), ("decode-64", 64, 1), ("prefill-4x1024", 4, 1024)]
+    cases = [c for c in (("decode-1", 1, 1), ("decode-64", 64, 1), ("prefill-4x1024", 4, 1024))
+             if c[0] in args.cases.split(",")]
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     table = Table(["kind", "case", "layer_ms", "bare_ms", "ratio", "state_tb_s", "copy_frac"])
     for kind in args.kinds.split(","):
         for case, batch, qlen in cases:
-            s = Setup(kind, batch, qlen, slots=max(batch, 8) * 2)
+            s = Setup(kind, batch, qlen, slots=max(batch, 8) * 2, ssm_dtype=args.ssm_dtype)
             # Decodes replay from graphs; prompts run eagerly (a mixer op runs between piecewise graphs,
             # and fla's chunked prefill plans on the host).
             timer = bench_cuda_graph if qlen == 1 else bench
             layer = timer(s.layer_call, rep=rep)["median_ms"]
             bare = timer(s.bare(), rep=rep)["median_ms"]
-            row: dict[str, Any] = {"kind": kind, "case": case, "layer_ms": layer, "bare_ms": bare, "ratio": layer / bare}
+            row: dict[str, Any] = {"kind": kind, "case": case, "layer_ms": layer, "bare_ms": bare, "ratio": layer / bare,
+                                   "ssm_state": str(s.layer.kv_cache[0][-1].dtype).removeprefix("torch.")}
             if kind == "gdn" and qlen > 1:
                 from vattn.backends.mamba.fla_ops import fla_chunk_fn
 
@@ -230,7 +234,8 @@ def main() -> None:
     gdn64 = [r for r in rows if r["kind"] == "gdn" and r["case"] == "decode-64"]
     if gdn64:
         summary.update(gdn_decode64_copy_frac=gdn64[0]["copy_frac"], target_copy_frac=0.7)
-    path = write_results("mixers", {"rows": rows, "summary": summary, "env": env_info("cuda")})
+    name = "mixers" if args.ssm_dtype == "float32" else f"mixers-ssm-{args.ssm_dtype}"
+    path = write_results(name, {"rows": rows, "summary": summary, "env": env_info("cuda")})
     print(f"wrote {path}")
 
 

@@ -494,3 +494,25 @@ def _dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def test_state_dtypes_follow_the_cache_config():
+    """CacheConfig.mamba_cache_dtype / mamba_ssm_cache_dtype choose the conv and recurrent state dtypes
+    (vLLM's names); a bf16 recurrent state stays within bf16 rounding of the float32 one."""
+    torch.manual_seed(6)
+    case = CASES[0]
+    outs = []
+    for ssm in ("float32", "auto"):
+        cfg = vattn.VattnConfig(cache=vattn.CacheConfig(mamba_ssm_cache_dtype=ssm))
+        with _dtype(torch.bfloat16):
+            cfg, layer, kv = _setup(case, cfg=cfg)
+        assert [t.dtype for t in layer.kv_cache[0]] == [torch.bfloat16, torch.float32 if ssm == "float32" else
+                                                         torch.bfloat16]
+        torch.manual_seed(7)
+        w = {k: v.bfloat16() for k, v in case.weights().items()}
+        seqs = {1: torch.randn(12, case.width, dtype=torch.float64)}
+        got = _run_steps(case, layer, w, cfg, kv, {1: seqs[1].bfloat16()}, [[(1, 6)], [(1, 1)], [(1, 5)]])
+        outs.append(got[1].float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=5e-2, atol=5e-2)
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
+        vattn.CacheConfig(mamba_ssm_cache_dtype="fp8")

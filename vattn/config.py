@@ -39,6 +39,10 @@ class CUDAGraphMode(enum.Enum):
     FULL_AND_PIECEWISE = "full_and_piecewise"
 
 
+#: ``CacheConfig.mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` values ("auto": the model dtype).
+MAMBA_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.
@@ -49,12 +53,19 @@ class CacheConfig:
             ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"`` store fp8 with per-layer scales.
         sliding_window: model-wide sliding window (tokens), ``None`` for full attention.
         calculate_kv_scales: compute fp8 k/v scales from the first batch that runs.
+        mamba_cache_dtype: mixer layers' conv states: ``"auto"`` (the model dtype), ``"float32"``,
+            ``"bfloat16"`` or ``"float16"`` (vLLM's name).
+        mamba_ssm_cache_dtype: mixer layers' recurrent (SSM, delta-rule, linear) states: ``"float32"``
+            (default: they accumulate over the whole sequence), ``"auto"`` (the model dtype, as
+            vLLM's default: half the state traffic of a bf16 model's decodes), ``"bfloat16"``, ``"float16"``.
     """
 
     block_size: int = 16
     cache_dtype: str = "auto"
     sliding_window: int | None = None
     calculate_kv_scales: bool = False
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
@@ -72,6 +83,10 @@ class CacheConfig:
                 f"CacheConfig.sliding_window must be None or a positive int (tokens), got {window!r}; "
                 "pass None for full attention."
             )
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, name) not in MAMBA_STATE_DTYPES:
+                raise ValueError(f"CacheConfig.{name} must be one of {MAMBA_STATE_DTYPES}, got "
+                                 f"{getattr(self, name)!r}.")
         if not isinstance(self.calculate_kv_scales, bool):
             raise TypeError(
                 f"CacheConfig.calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}."

@@ -67,6 +67,8 @@ class MambaBase(nn.Module):
 
     def __init__(self, *, prefix: str, mamba_backend: Any = None) -> None:
         super().__init__()
+        cache = get_current_vattn_config().cache
+        self._conv_dtype, self._ssm_dtype = cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix: expected a unique non-empty layer name such as 'model.layers.0.linear_attn', "
                              f"got {prefix!r}.")
@@ -88,9 +90,15 @@ class MambaBase(nn.Module):
         raise NotImplementedError
 
     def get_state_dtype(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        """The dtype of each state tensor for a model of ``dtype``: conv states in the model's
-        dtype, recurrent states in float32 (they accumulate over the whole sequence)."""
+        """The dtype of each state tensor for a model of ``dtype`` (``CacheConfig.mamba_cache_dtype``
+        for conv states, ``mamba_ssm_cache_dtype`` for recurrent ones, float32 by default)."""
         raise NotImplementedError
+
+    def conv_state_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self._conv_dtype == "auto" else getattr(torch, self._conv_dtype)
+
+    def ssm_state_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self._ssm_dtype == "auto" else getattr(torch, self._ssm_dtype)
 
     def get_attn_backend(self) -> type[MambaBackend]:
         return self.attn_backend

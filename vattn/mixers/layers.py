@@ -45,7 +45,7 @@ class ShortConv(MambaBase):
         return ((self.dim, self.kernel_size - 1),)
 
     def get_state_dtype(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (dtype,)
+        return (self.conv_state_dtype(dtype),)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = self._tokens("x", x, self.dim, f"vattn.ShortConv({self.layer_name!r})")
@@ -61,7 +61,7 @@ class GatedDeltaNet(MambaBase):
     g (T, HV), beta (T, HV)) -> (T, HV, Dv)``: q, k and v are split from the conv output in that
     order; ``g`` is the log of each token's decay (<= 0), ``beta`` its write strength; value head
     h reads key head ``h // (HV // HK)``. State: conv (conv_dim, K-1) in the model's dtype and the
-    recurrent state (HV, Dk, Dv) in float32."""
+    recurrent state (HV, Dk, Dv) in float32 (``CacheConfig`` chooses both)."""
 
     mamba_type = "gdn_attention"
 
@@ -85,7 +85,7 @@ class GatedDeltaNet(MambaBase):
         return ((self.conv_dim, self.conv_kernel_size - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim))
 
     def get_state_dtype(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (dtype, torch.float32)
+        return (self.conv_state_dtype(dtype), self.ssm_state_dtype(dtype))
 
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ class Mamba2Mixer(MambaBase):
         return ((self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.state_size))
 
     def get_state_dtype(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (dtype, torch.float32)
+        return (self.conv_state_dtype(dtype), self.ssm_state_dtype(dtype))
 
     def forward(self, xBC: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,  # noqa: N803
                 dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None = None,  # noqa: N803
@@ -158,7 +158,7 @@ class Mamba1Mixer(MambaBase):
         return ((self.intermediate_size, self.conv_kernel_size - 1), (self.intermediate_size, self.state_size))
 
     def get_state_dtype(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (dtype, torch.float32)
+        return (self.conv_state_dtype(dtype), self.ssm_state_dtype(dtype))
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = self._tokens("x", x, self.intermediate_size, f"vattn.Mamba1Mixer({self.layer_name!r}).conv")
@@ -196,7 +196,7 @@ class LinearAttention(MambaBase):
         return ((self.num_heads, self.head_size, self.value_head_size),)
 
     def get_state_dtype(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (torch.float32,)
+        return (self.ssm_state_dtype(dtype),)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
         h, d, dv = self.num_heads, self.head_size, self.value_head_size
