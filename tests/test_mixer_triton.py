@@ -131,3 +131,16 @@ def test_bfloat16_inputs(tri):
             torch.sigmoid(torch.randn(t, hv, device=DEV)), dk ** -0.5, True,
             torch.randn(s, hv, dk, dv, device=DEV) * 0.1, *batch[:4]]
     _run_both(tri, "gated_delta_rule", args, [7], (t, hv, dv), dtype=bf, tol=2e-2)
+
+
+def test_strided_per_head_parameters(tri):
+    """A per-head parameter given as a strided view (a column of a wider tensor) is read correctly."""
+    torch.manual_seed(6)
+    h, p, g, n, s = 4, 6, 2, 8, 10
+    batch = _batch(LENS, s, INIT)
+    t = batch[4]
+    wide = -torch.rand(h, 3, device=DEV) - 0.5
+    args = [torch.randn(t, h, p, device=DEV), torch.randn(t, h, device=DEV), wide[:, 1],
+            torch.randn(t, g, n, device=DEV), torch.randn(t, g, n, device=DEV), torch.randn(h, 2, device=DEV)[:, 0],
+            None, True, (0.0, 5.0), torch.randn(s, h, p, n, device=DEV) * 0.1, *batch[:4]]
+    _run_both(tri, "ssd_scan", args, [9], (t, h, p))

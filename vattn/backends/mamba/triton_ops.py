@@ -53,7 +53,7 @@ def _request(qsl, slots, initial, num_reqs, num_slots):
     b = tl.program_id(0)
     start = tl.load(qsl + b)
     length = tl.load(qsl + b + 1) - start
-    length = tl.where(b < num_reqs, length, 0)
+    length = tl.where(b < num_reqs, tl.maximum(length, 0), 0)  # a decreasing query_start_loc: nothing
     slot = tl.minimum(tl.maximum(tl.load(slots + b).to(tl.int64), 0), num_slots - 1)
     return start.to(tl.int64), length, slot, (tl.load(initial + b) != 0).to(tl.int32)
 
@@ -111,9 +111,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     b = state_indices.shape[0]
     if b == 0 or t == 0:
         return
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation: expected None or 'silu', got {activation!r}; apply other "
+                         "activations to the output instead.")
     weight = weight.contiguous()
-    x, bias = _rows(x, bias)
-    bd, bt = 64, 16
+    (x,) = _rows(x)
+    bias = None if bias is None else bias.contiguous()  # a strided 1-D view (e.g. w[:, 0]) would be misread
+    bd, bt = 64, max(16, triton.next_power_of_2(k - 1))  # chunks after the first never read the conv state
     grid = (b, triton.cdiv(d, bd), triton.cdiv(t, bt))
     _conv_kernel[grid](x, x.stride(0), weight, bias if bias is not None else weight, conv_state, conv_state.stride(0),
                        conv_state.stride(1), out, out.stride(0), query_start_loc, state_indices, has_initial_state,
@@ -222,6 +226,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     if b == 0 or x.shape[0] == 0:
         return
     x, dt, B, C = _rows(x, dt, B, C)  # noqa: N806
+    A, D, dt_bias = (None if v is None else v.contiguous() for v in (A, D, dt_bias))  # noqa: N806
     bn = triton.next_power_of_2(n)
     bp = min(triton.next_power_of_2(p), max(8, 4096 // bn))
     grid = (b, h, triton.cdiv(p, bp))
@@ -282,6 +287,7 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     if b == 0 or t == 0:
         return
     u, delta, B, C, z = _rows(u, delta, B, C, z)  # noqa: N806
+    D_skip, delta_bias = (None if v is None else v.contiguous() for v in (D_skip, delta_bias))  # noqa: N806
     bn = triton.next_power_of_2(n)
     bd = max(16, min(128, 2048 // bn))
     grid = (b, triton.cdiv(d, bd))
@@ -329,6 +335,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: t
     if b == 0 or q.shape[0] == 0:
         return
     q, k, v = _rows(q, k, v)
+    slope = slope.contiguous()
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), max(16, 8192 // bk))
     grid = (b, h, triton.cdiv(dv, bv))
