@@ -161,6 +161,15 @@ class MambaImpl:
         """The kernels' trailing batch arguments."""
         return md.query_start_loc, md.state_indices, md.has_initial_state, md.num_reqs
 
+    @staticmethod
+    def conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                  md: MambaMetadata) -> torch.Tensor:
+        """The causal conv (silu) over each request's rows of ``x`` (T, C), continuing from and
+        updating ``conv_state``: (T, C), as the layers' q/k/v or xBC before their split."""
+        out = torch.empty_like(x)
+        kernels_for(x.device).causal_conv1d(x, weight, bias, conv_state, *MambaImpl.common_args(md), "silu", out)
+        return out
+
 
 class MambaBackend:
     """Static description of a mixer backend (the ``MambaAttentionBackendEnum`` members' classes).

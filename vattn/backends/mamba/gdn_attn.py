@@ -6,8 +6,6 @@ recurrent kernel."""
 
 from __future__ import annotations
 
-import torch
-
 from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
 from vattn.backends.mamba.fla_ops import chunked_prefill, fla_chunk_fn
 
@@ -21,13 +19,10 @@ class GDNImpl(MambaImpl):
     def forward(self, layer, inputs, output, state, md: MambaMetadata, part: int = 0) -> None:
         mixed, weight, bias, g, beta = inputs
         assert mixed is not None and weight is not None and g is not None and beta is not None
-        kernels = kernels_for(mixed.device)
         t = mixed.shape[0]
         hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-        conv = torch.empty_like(mixed)
         batch = self.common_args(md)
-        kernels.causal_conv1d(mixed, weight, bias, state[0], *batch, "silu", conv)
-        q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = self.conv_silu(mixed, weight, bias, state[0], md).split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv)
         if md.num_prefills and mixed.is_cuda and fla_chunk_fn() is not None and self._all_have_tokens(md):
             # Prompts in chunks (fla); the decodes in front keep the recurrent kernel.
@@ -37,8 +32,8 @@ class GDNImpl(MambaImpl):
             if not nd:
                 return
             batch = (md.query_start_loc, md.state_indices, md.has_initial_state, nd)
-        kernels.gated_delta_rule(q, k, v, g, beta, layer.scale, layer.use_qk_l2norm, state[1], *batch, output)
-
+        kernels_for(mixed.device).gated_delta_rule(q, k, v, g, beta, layer.scale, layer.use_qk_l2norm, state[1],
+                                                   *batch, output)
 
     @staticmethod
     def _all_have_tokens(md: MambaMetadata) -> bool:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
 
 __all__ = ["Mamba2AttentionBackend", "Mamba2Impl"]
@@ -17,15 +15,11 @@ class Mamba2Impl(MambaImpl):
     def forward(self, layer, inputs, output, state, md: MambaMetadata, part: int = 0) -> None:
         xbc, weight, bias, dt, a, d, dt_bias = inputs
         assert xbc is not None and weight is not None and dt is not None and a is not None
-        kernels = kernels_for(xbc.device)
         t = xbc.shape[0]
         h, p, g, n = layer.num_heads, layer.head_dim, layer.n_groups, layer.state_size
-        conv = torch.empty_like(xbc)
-        batch = self.common_args(md)
-        kernels.causal_conv1d(xbc, weight, bias, state[0], *batch, "silu", conv)
-        x, b, c = conv.split([h * p, g * n, g * n], dim=-1)
-        kernels.ssd_scan(x.view(t, h, p), dt, a, b.view(t, g, n), c.view(t, g, n), d, dt_bias, True,
-                         layer.dt_limit, state[1], *batch, output)
+        x, b, c = self.conv_silu(xbc, weight, bias, state[0], md).split([h * p, g * n, g * n], dim=-1)
+        kernels_for(xbc.device).ssd_scan(x.view(t, h, p), dt, a, b.view(t, g, n), c.view(t, g, n), d, dt_bias, True,
+                         layer.dt_limit, state[1], *self.common_args(md), output)
 
 
 class Mamba2AttentionBackend(MambaBackend):
