@@ -245,7 +245,9 @@ def build_hf(args: argparse.Namespace) -> tuple[Any, vattn.VattnConfig, Any, Any
     gemv_lm_head(model)  # one-row LM heads on the example GEMV, as examples/model.py's
     per_req = -(-(args.prompt_len + args.output_len) // args.block_size)
     num_blocks = args.num_blocks or per_req * min(args.num_requests, args.max_num_seqs) + per_req
-    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype)
+    # Hybrid checkpoints' mixer layers: a state slot per engine row (ignored without mixers).
+    kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=device, dtype=dtype,
+                                 num_state_slots=args.max_num_seqs)
     return model, cfg, kv, tokenizer, prompts
 
 

@@ -18,7 +18,10 @@ flattened step of many requests, as vattn runs a model::
     logits = model.compute_logits(hidden[-1:])          # the rows you sample from
 
 ``vattn.compile(model, cfg)``, ``vattn.CUDAGraphRunner`` and ``examples/engine.py`` take the
-result as they take the example model. The transformers model's own ``generate()`` runs on a
+result as they take the example model. Hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Mamba, Mamba-2,
+Bamba, Granite-4, Nemotron-H, Falcon-H1, Falcon-Mamba, Jamba, LFM2, MiniMax) run their mixers on
+vattn's mixer layers (``mixers.py``), a state slot per request: allocate the cache with
+``num_state_slots`` and pass ``state_indices=`` to ``kv.common_metadata``. The transformers model's own ``generate()`` runs on a
 paged cache allocated for each call (``generate.py``): its tokens are transformers' own. Needs transformers >= 4.56 (``pip install "vattn[transformers]"``).
 """
 
@@ -46,6 +49,7 @@ from vattn.integrations.transformers.layers import (
     attention_modules,
     layer_spec,
 )
+from vattn.integrations.transformers.mixers import MIXER_CLASSES, MixerSpec, mixer_modules
 from vattn.integrations.transformers.model import (
     ATTN_IMPLEMENTATION,
     VattnCausalLM,
@@ -60,12 +64,15 @@ register()
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "LayerSpec",
+    "MIXER_CLASSES",
+    "MixerSpec",
     "SUPPORTED_LAYER_TYPES",
     "UnsupportedAttentionError",
     "VattnCausalLM",
     "attention_modules",
     "from_pretrained",
     "layer_spec",
+    "mixer_modules",
     "register",
     "vattn_attention_forward",
     "wrap",

@@ -17,17 +17,24 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+import vattn
+from vattn.integrations.transformers.mixers import UnsupportedAttentionError, mixer_kind
 from vattn.layer import Attention
 
-__all__ = ["LayerSpec", "SUPPORTED_LAYER_TYPES", "UnsupportedAttentionError", "attention_modules", "layer_spec"]
+if TYPE_CHECKING:
+    from vattn.integrations.transformers.mixers import MixerSpec
 
-#: ``config.layer_types`` entries the adapter runs; any other (chunked, linear, mamba, ...) is refused.
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+__all__ = ["LayerSpec", "SUPPORTED_LAYER_TYPES", "UnsupportedAttentionError", "attention_modules", "build_layers",
+           "layer_spec"]
+
+#: ``config.layer_types`` entries of attention modules the adapter runs ("hybrid": Falcon-H1's layers of full
+#: attention beside a Mamba mixer); any other (chunked, linear, ...) is refused. Mixer modules: ``mixers.py``.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "hybrid")
 
 #: Attributes of multi-head latent attention modules (DeepSeek-V2/V3 style).
 _MLA_ATTRIBUTES = ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj")
@@ -36,10 +43,6 @@ _MLA_ATTRIBUTES = ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj")
 #: Module names transformers gives a decoder's cross-attention (BART / Whisper ``encoder_attn``,
 #: BERT ``crossattention``).
 _CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
-
-
-class UnsupportedAttentionError(NotImplementedError):
-    """An attention module the vattn adapter cannot run; the message names its path and why."""
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,13 @@ class LayerSpec:
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(path, module) of each attention module: a class named ``*Attention`` (transformers'
-    convention), outermost only (an attention module inside another is the other's business)."""
+    convention), outermost only (an attention module inside another is the other's business);
+    the linear-attention mixers ``mixers.py`` serves are left out."""
     found: list[tuple[str, nn.Module]] = []
     for path, module in model.named_modules():
         if isinstance(module, Attention) or not type(module).__name__.endswith("Attention"):
+            continue
+        if mixer_kind(module) is not None:  # MiniMax's lightning attention: a mixer (mixers.py)
             continue
         if any(path.startswith(outer + ".") for outer, _ in found):
             continue
@@ -98,6 +104,17 @@ def _dispatches_through_interface(cls: type) -> bool | None:
     except (OSError, TypeError):
         return None
     return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+@functools.lru_cache(maxsize=None)
+def _gates_output(cls: type) -> bool:
+    """Whether ``cls.forward`` splits an output gate off ``q_proj`` and applies it after attention
+    (Qwen3-Next's and Qwen3.5's gated attention: ``torch.chunk(q_proj(x), 2)``, ``* sigmoid(gate)``)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "torch.sigmoid(gate)" in source and "self.q_proj(hidden_states)" in source and "chunk" in source
 
 
 def _layer_type(module: nn.Module, config: Any) -> str | None:
@@ -166,10 +183,11 @@ def layer_spec(path: str, module: nn.Module, config: Any) -> LayerSpec:
     num_kv_heads = (getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
                     or num_heads)
     q_proj = getattr(module, "q_proj", None)
-    if isinstance(q_proj, nn.Linear) and q_proj.out_features != num_heads * head_size:
-        raise _refuse(path, module, f"q_proj has {q_proj.out_features} outputs, expected num_heads * head_dim = "
-                                    f"{num_heads} * {head_size} (tensor-parallel shards and gated queries are not "
-                                    "supported)")
+    width = num_heads * head_size * (2 if _gates_output(type(module)) else 1)  # Qwen3-Next: [query; gate] per head
+    if isinstance(q_proj, nn.Linear) and q_proj.out_features != width:
+        raise _refuse(path, module, f"q_proj has {q_proj.out_features} outputs, expected {width} (num_heads * "
+                                    f"head_dim = {num_heads} * {head_size}, twice that with an output gate); "
+                                    "tensor-parallel shards are not supported")
     sinks = getattr(module, "sinks", None)
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,)):
         raise _refuse(path, module, f"sinks must be a ({num_heads},) tensor (one logit per query head), got "
@@ -182,3 +200,32 @@ def layer_spec(path: str, module: nn.Module, config: Any) -> LayerSpec:
         logits_soft_cap=float(cap) if cap else None, sinks=sinks,
         alibi_slopes=None if alibi is None else tuple(float(s) for s in torch.as_tensor(alibi).flatten().tolist()),
     )
+
+
+def build_layers(specs: list[LayerSpec], mixer_specs: list["MixerSpec"], vattn_config: "vattn.VattnConfig",
+                 dtype: torch.dtype, device: torch.device, attn_backend: Any, prefix: str) -> list[nn.Module]:
+    """One ``vattn.Attention`` per spec, then one mixer layer per mixer spec, built in the model
+    dtype on its device; on error none stays registered."""
+    layers: list[nn.Module] = []
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with vattn.set_current_vattn_config(vattn_config), torch.device(device):
+            for s in specs:
+                extra: dict[str, Any] = {} if s.sinks is None else {"sinks": s.sinks}
+                if attn_backend is not None:
+                    extra["attn_backend"] = attn_backend
+                layers.append(Attention(
+                    s.num_heads, s.head_size, s.scale, num_kv_heads=s.num_kv_heads,
+                    alibi_slopes=None if s.alibi_slopes is None else list(s.alibi_slopes),
+                    logits_soft_cap=s.logits_soft_cap, per_layer_sliding_window=s.sliding_window,
+                    prefix=prefix + s.prefix, **extra))
+            layers += [m.build(prefix) for m in mixer_specs]
+    except Exception:
+        context = vattn_config.compilation.static_forward_context
+        for layer in layers:
+            context.pop(layer.layer_name, None)
+        raise
+    finally:
+        torch.set_default_dtype(old)
+    return layers

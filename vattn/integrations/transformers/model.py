@@ -28,9 +28,12 @@ from vattn.compile_passes.packed_linears import pack_linear_weights
 from vattn.forward_context import get_forward_context, is_forward_context_available
 from vattn.integrations.transformers.generate import generate
 from vattn.integrations.transformers.inputs import check_hidden, check_positions, check_step_inputs
-from vattn.integrations.transformers.layers import LayerSpec, UnsupportedAttentionError, attention_modules, layer_spec
+from vattn.integrations.transformers.layers import (LayerSpec, UnsupportedAttentionError, attention_modules,
+                                                     build_layers, layer_spec)
+from vattn.integrations.transformers.mixers import MixerSpec, attach_mixers, mixer_modules, mixer_spec
 from vattn.integrations.transformers.norms import fuse_rms_norms
 from vattn.layer import Attention
+from vattn.mixers.base import MambaBase
 
 __all__ = ["ATTN_IMPLEMENTATION", "VattnCausalLM", "from_pretrained", "register", "vattn_attention_forward", "wrap"]
 
@@ -122,17 +125,23 @@ class VattnCausalLM(nn.Module):
     ``vattn.compile``, ``vattn.CUDAGraphRunner`` and ``examples/engine.py`` as the example model
     does. Build it with ``wrap`` or ``from_pretrained``.
 
+    Hybrids (Mamba, Gated DeltaNet, short-conv and lightning-attention layers, ``mixers.py``)
+    keep a state per request: allocate the cache with ``num_state_slots`` and give each request a
+    slot (``kv.common_metadata(..., state_indices=...)``; the engine uses its row).
+
     Attributes: ``hf_model`` (the transformers model, attention now "vattn"), ``config`` (its
-    config), ``vattn_config``, ``layer_specs`` (one ``LayerSpec`` per attention module).
+    config), ``vattn_config``, ``layer_specs`` (one ``LayerSpec`` per attention module),
+    ``mixer_specs`` (one ``MixerSpec`` per mixer module).
     """
 
     def __init__(self, hf_model: nn.Module, vattn_config: vattn.VattnConfig, layer_specs: tuple[LayerSpec, ...],
-                 decoder_path: tuple[str, ...], head_name: str) -> None:
+                 decoder_path: tuple[str, ...], head_name: str, mixer_specs: tuple[MixerSpec, ...] = ()) -> None:
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
         self.vattn_config = vattn_config
         self.layer_specs = layer_specs
+        self.mixer_specs = mixer_specs
         self._decoder_path = decoder_path  # attribute names from hf_model to its decoder (the base model)
         self._head_name = head_name
         text = _text_config(hf_model)
@@ -143,6 +152,8 @@ class VattnCausalLM(nn.Module):
         self._vocab_size: int | None = getattr(embed, "num_embeddings", None) or getattr(text, "vocab_size", None)
         self._hidden_size: int | None = getattr(getattr(hf_model, head_name, None), "in_features", None)
         self._embedding = (embed,)  # in a tuple: not registered a second time as a submodule
+        weight = getattr(getattr(hf_model, head_name, None), "weight", None)
+        self._head_dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and (T,) positions -> (T, hidden_size) final hidden states.
@@ -166,7 +177,9 @@ class VattnCausalLM(nn.Module):
         for name in self._decoder_path:
             decoder = getattr(decoder, name)
         out = decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        return out[0][0]  # last_hidden_state (1, T, hidden) -> (T, hidden); a tuple where return_dict is off
+        hidden = out[0][0]  # last_hidden_state (1, T, hidden) -> (T, hidden); a tuple where return_dict is off
+        # Mamba's residual_in_fp32 leaves float32 states, which its LM head casts to its own dtype.
+        return hidden if self._head_dtype in (None, hidden.dtype) else hidden.to(self._head_dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) logits in the model dtype, as the model's own forward computes them."""
@@ -189,6 +202,10 @@ class VattnCausalLM(nn.Module):
     def attention_layers(self) -> dict[str, Attention]:
         """The ``vattn.Attention`` layers by layer name (``wrap``'s prefix + ``LayerSpec.prefix``), in model order."""
         return {m.layer_name: m for m in self.hf_model.modules() if isinstance(m, Attention)}
+
+    def mixer_layers(self) -> dict[str, MambaBase]:
+        """The vattn mixer layers by layer name (``wrap``'s prefix + ``MixerSpec.prefix``), in model order."""
+        return {m.layer_name: m for m in self.hf_model.modules() if isinstance(m, MambaBase)}
 
 
 def _unsupported_model(model: nn.Module) -> str | None:
@@ -223,9 +240,12 @@ def _missing_part(model: nn.Module, head: Any, decoder_path: tuple[str, ...] | N
 
 
 def _metadata_of(ctx: Any) -> Any:
-    """One layer's metadata of the step (None in a warm-up): the step's batch is the same for every layer."""
+    """One layer's metadata of the step (None in a warm-up): the step's batch is the same for every
+    layer; an attention layer's where there is one (its slot mapping checks the token count)."""
     md = ctx.attn_metadata
-    return next(iter(md.values()), None) if isinstance(md, dict) else md
+    if not isinstance(md, dict):
+        return md
+    return next((m for m in md.values() if hasattr(m, "slot_mapping")), next(iter(md.values()), None))
 
 
 def _decoder_path(model: nn.Module) -> tuple[str, ...] | None:
@@ -261,49 +281,23 @@ def _set_attn_implementation(model: nn.Module, modules: list[tuple[str, nn.Modul
             config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-def _build_layers(specs: list[LayerSpec], vattn_config: vattn.VattnConfig, dtype: torch.dtype,
-                  device: torch.device, attn_backend: Any, prefix: str) -> list[Attention]:
-    """One ``vattn.Attention`` per spec, built in the model dtype on its device; on error none stays registered."""
-    layers: list[Attention] = []
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with vattn.set_current_vattn_config(vattn_config), torch.device(device):
-            for s in specs:
-                extra: dict[str, Any] = {} if s.sinks is None else {"sinks": s.sinks}
-                if attn_backend is not None:
-                    extra["attn_backend"] = attn_backend
-                layers.append(Attention(
-                    s.num_heads, s.head_size, s.scale, num_kv_heads=s.num_kv_heads,
-                    alibi_slopes=None if s.alibi_slopes is None else list(s.alibi_slopes),
-                    logits_soft_cap=s.logits_soft_cap, per_layer_sliding_window=s.sliding_window,
-                    prefix=prefix + s.prefix, **extra))
-    except Exception:
-        context = vattn_config.compilation.static_forward_context
-        for layer in layers:
-            context.pop(layer.layer_name, None)
-        raise
-    finally:
-        torch.set_default_dtype(old)
-    return layers
-
-
 def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any = None,
          prefix: str = "", pack_projections: bool = True, fuse_norms: bool = True) -> VattnCausalLM:
     """Run a transformers causal LM (``*ForCausalLM``) on vattn; returns a ``VattnCausalLM``.
 
     Changes ``model`` in place: every attention module gets a ``vattn.Attention`` at
     ``module.attn`` (layer name ``prefix + "<module path>.attn"``, e.g. ``"model.layers.3.self_attn.attn"``)
-    built from the model's own config and modules (``layers.py``), its attention
-    implementation becomes "vattn", and it is put in eval mode. With ``pack_projections``, the
-    bias-free ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` of each module
-    get one weight buffer each (the same parameters, now consecutive row views of it; values
-    unchanged), which ``vattn.compile`` runs as one GEMM
+    built from the model's own config and modules (``layers.py``), every mixer module of a hybrid
+    (Mamba, Gated DeltaNet, ...) a vattn mixer layer at ``module.mixer`` and a forward that runs it
+    (``mixers.py``), its attention implementation becomes "vattn", and it is put in eval mode.
+    With ``pack_projections``, the bias-free ``q_proj`` / ``k_proj`` / ``v_proj`` and
+    ``gate_proj`` / ``up_proj`` of each module get one weight buffer each (the same parameters,
+    now consecutive row views of it; values unchanged), which ``vattn.compile`` runs as one GEMM
     (``vattn.compile_passes.packed_linears``). With ``fuse_norms``, RMSNorm modules of
     transformers' usual forms run as one ``F.rms_norm`` in eager inference (``norms.py``; same
-    arithmetic, fewer kernel launches). ``model.generate`` raises ``NotImplementedError``
-    (transformers' generate() runs on its own cache, which vattn replaces). Then allocate the cache with
-    ``vattn.allocate_kv_cache(vattn_config, ...)``.
+    arithmetic, fewer kernel launches). ``model.generate`` runs transformers' generate() on a
+    paged cache of its own (``generate.py``). Then allocate the cache with
+    ``vattn.allocate_kv_cache(vattn_config, ...)`` (hybrids: with ``num_state_slots``).
 
     Args:
         model: a transformers ``PreTrainedModel`` with an LM head, on its device and in its dtype.
@@ -318,15 +312,15 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     ``model.set_experts_implementation("grouped_mm")`` (or ``"batched_mm"``) before wrapping.
 
     Raises ``UnsupportedAttentionError`` (a ``NotImplementedError``) naming the module and the
-    reason for attention the adapter cannot run (cross-attention, MLA, non-causal, other layer
-    types), before anything is changed.
+    reason for attention or a mixer the adapter cannot run (cross-attention, MLA, non-causal,
+    other layer types, mixer classes it does not serve), before anything is changed.
     """
     if not isinstance(vattn_config, vattn.VattnConfig):
         raise TypeError(f"wrap: vattn_config must be a vattn.VattnConfig, got {type(vattn_config).__name__}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap: model: expected a transformers model (an nn.Module), got {type(model).__name__}; "
                         "pass transformers.AutoModelForCausalLM.from_pretrained(...), or a path to from_pretrained.")
-    if isinstance(model, VattnCausalLM) or any(isinstance(m, Attention) for m in model.modules()):
+    if isinstance(model, VattnCausalLM) or any(isinstance(m, (Attention, MambaBase)) for m in model.modules()):
         raise ValueError(f"wrap: {type(model).__name__} already has vattn layers; wrap a model once.")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -340,28 +334,33 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
         raise error(f"wrap: model: expected a transformers causal LM (*ForCausalLM: a decoder and an LM head "
                     f"child module), got {type(model).__name__}, {_missing_part(model, head, decoder_path)}.")
     register()
+    mixers = mixer_modules(model)  # refuses stateful mixers it does not serve
     found = attention_modules(model)
-    if not found:
+    if not found and not mixers:
         raise UnsupportedAttentionError(f"{type(model).__name__}: no attention modules (classes named *Attention) "
-                                        "found; the adapter runs transformers decoder LMs.")
+                                        "and no mixer modules found; the adapter runs transformers decoder LMs.")
     specs = [layer_spec(path, module, _text_config(model)) for path, module in found]
-    taken = [path for path, module in found if hasattr(module, "attn")]
+    mixer_specs = [mixer_spec(path, module) for path, module in mixers]
+    taken = [(p, n) for n, ms in (("attn", found), ("mixer", mixers)) for p, m in ms if hasattr(m, n)]
     if taken:
-        raise ValueError(f"wrap: {taken[0]} already has an attribute 'attn'; the adapter attaches its layer there.")
+        raise ValueError(f"wrap: {taken[0][0]} already has an attribute {taken[0][1]!r}; the adapter attaches its "
+                         "layer there.")
     param = next(model.parameters())
     dtype = getattr(model, "dtype", param.dtype)
     if not dtype.is_floating_point:
         raise TypeError(f"wrap: the model dtype must be a floating dtype (the attention and KV-cache dtype), got "
                         f"{dtype}; load the model in bfloat16, float16 or float32.")
-    layers = _build_layers(specs, vattn_config, dtype, param.device, attn_backend, prefix)
+    layers = build_layers(specs, mixer_specs, vattn_config, dtype, param.device, attn_backend, prefix)
     try:
-        _set_attn_implementation(model, found)
+        if found:
+            _set_attn_implementation(model, found)
     except Exception:
         for layer in layers:
             vattn_config.compilation.static_forward_context.pop(layer.layer_name, None)
         raise
     for (_, module), layer in zip(found, layers):
         module.attn = layer
+    attach_mixers(mixers, mixer_specs, layers[len(found):])
     if callable(getattr(model, "generate", None)):  # transformers' loop over vattn's cache (generate.py)
         model.generate = functools.update_wrapper(functools.partial(generate, model, vattn_config), generate)
     if pack_projections:
@@ -369,7 +368,7 @@ def wrap(model: nn.Module, vattn_config: vattn.VattnConfig, *, attn_backend: Any
     if fuse_norms:
         fuse_rms_norms(model)
     model.eval()
-    return VattnCausalLM(model, vattn_config, tuple(specs), decoder_path, head_name)
+    return VattnCausalLM(model, vattn_config, tuple(specs), decoder_path, head_name, tuple(mixer_specs))
 
 
 def from_pretrained(path_or_model: str | nn.Module, vattn_config: vattn.VattnConfig, *,
