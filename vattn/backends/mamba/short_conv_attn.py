@@ -3,8 +3,6 @@ state of the last K-1 inputs (LFM2's short convolutions)."""
 
 from __future__ import annotations
 
-import torch
-
 from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
 
 __all__ = ["ShortConvAttentionBackend", "ShortConvImpl"]
