@@ -234,8 +234,11 @@ def main() -> None:
     gdn64 = [r for r in rows if r["kind"] == "gdn" and r["case"] == "decode-64"]
     if gdn64:
         summary.update(gdn_decode64_copy_frac=gdn64[0]["copy_frac"], target_copy_frac=0.7)
-    name = "mixers" if args.ssm_dtype == "float32" else f"mixers-ssm-{args.ssm_dtype}"
-    path = write_results(name, {"rows": rows, "summary": summary, "env": env_info("cuda")})
+    payload = {"rows": rows, "summary": summary, "env": env_info("cuda")}
+    if args.ssm_dtype == "float32":
+        path = write_results("mixers", payload)
+    else:  # the state-dtype variant: a kind of its own
+        path = write_results(f"mixers-ssm-{args.ssm_dtype}", payload)
     print(f"wrote {path}")
 
 
