@@ -96,7 +96,8 @@ def sync(device: torch.device) -> None:
 
 def make_config(args: argparse.Namespace) -> vattn.VattnConfig:
     passes = () if args.no_gemv else (OneTokenGemv(),)
-    return vattn.VattnConfig(cache=vattn.CacheConfig(block_size=BLOCK), compilation=vattn.CompilationConfig(
+    cache = vattn.CacheConfig(block_size=BLOCK, mamba_ssm_cache_dtype=args.ssm_dtype)
+    return vattn.VattnConfig(cache=cache, compilation=vattn.CompilationConfig(
         compile_sizes=common.token_counts(args.compile_sizes), piece_passes=passes))
 
 
@@ -330,7 +331,7 @@ def coldstart_child(args: argparse.Namespace) -> None:
 def _child(kind: str, args: argparse.Namespace, env: dict[str, str], layers: int | None = None) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", kind, "--device", args.device, "--dtype", args.dtype,
            "--preset", args.preset, "--dense-preset", args.dense_preset, "--batches", ",".join(map(str, args.batches)),
-           "--compile-sizes", args.compile_sizes] + (["--no-gemv"] if args.no_gemv else [])
+           "--compile-sizes", args.compile_sizes, "--ssm-dtype", args.ssm_dtype] + (["--no-gemv"] if args.no_gemv else [])
     if layers is not None:
         cmd += ["--child-layers", str(layers)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -386,6 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to smoke-test the script")
+    p.add_argument("--ssm-dtype", default="float32",
+                   help="CacheConfig.mamba_ssm_cache_dtype of the GDN recurrent states (auto: the model dtype)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--child", default=None, choices=["hybrid", "dense"], help=argparse.SUPPRESS)
     p.add_argument("--child-layers", type=int, default=None, help=argparse.SUPPRESS)
@@ -408,10 +411,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "smoke-test.")
     env = common.env_info(device)
     name = "hybrid" if args.only is None else f"hybrid-{args.only}"
+    if args.ssm_dtype != "float32":
+        name += f"-ssm-{args.ssm_dtype}"
     payload: dict[str, Any] = {"name": name, "path": common.result_path(name, env), "env": env, "rows": [],
                                "summary": {"preset": args.preset, "dense_preset": args.dense_preset,
                                            "batches": args.batches, "context": args.context,
-                                           "new_tokens": args.new_tokens, "compile_sizes": args.compile_sizes,
+                                           "new_tokens": args.new_tokens, "compile_sizes": args.compile_sizes, "ssm_dtype": args.ssm_dtype,
                                            "one_token_gemv": not args.no_gemv, "partial": True}}
     if args.only == "parity":  # the FULL-graph engine against the eager one, nothing timed
         cfg = make_config(args)

@@ -58,7 +58,7 @@ def _request(qsl, slots, initial, num_reqs, num_slots):
     return start.to(tl.int64), length, slot, (tl.load(initial + b) != 0).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _conv_kernel(x, sx, w, bias, state, ss0, ss1, out, so, qsl, slots, initial, num_reqs, num_slots, D,
                  K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                  BD: tl.constexpr, BT: tl.constexpr):
@@ -125,7 +125,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                        HAS_BIAS=bias is not None, SILU=activation == "silu", BD=bd, BT=bt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _delta_rule_kernel(q, sq, k, sk, v, sv, g, sg, beta, sb, state, s0, s1, out, so, qsl, slots, initial, num_reqs,
                        num_slots, scale, rep, DK, DV, L2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     start, length, slot, init = _request(qsl, slots, initial, num_reqs, num_slots)
@@ -178,7 +178,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                              L2=bool(use_qk_l2norm), BK=bk, BV=bv, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _ssd_kernel(x, sx, dt, sdt, a, bm, sbm, cm_, scm, dskip, dt_bias, state, s0, s1, out, so, qsl, slots, initial,
                 num_reqs, num_slots, rep, P, N, G, lo, hi, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SOFTPLUS: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
@@ -238,7 +238,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                       SOFTPLUS=bool(dt_softplus), BP=bp, BN=bn, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _scan_kernel(u, su, delta, sdl, a, bm, sbm, cm_, scm, dskip, z, sz, dbias, state, s0, out, so, qsl, slots,
                  initial, num_reqs, num_slots, D, N, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SOFTPLUS: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
@@ -300,7 +300,7 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
                        SOFTPLUS=bool(delta_softplus), BD=bd, BN=bn, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _linear_kernel(q, sq, k, sk, v, sv, slope, state, s0, s1, out, so, qsl, slots, initial, num_reqs, num_slots,
                    DK, DV, BK: tl.constexpr, BV: tl.constexpr):
     start, length, slot, init = _request(qsl, slots, initial, num_reqs, num_slots)
