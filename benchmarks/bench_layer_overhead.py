@@ -72,7 +72,7 @@ class Setup:
 
     def __init__(self, backend: str, reqs: int, ctx: int, new: int) -> None:
         import vattn
-        from vattn.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig
+        from vattn.core.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig
 
         self.backend = backend
         self.decode = new == 1
@@ -129,7 +129,7 @@ def bare_flashinfer(s: Setup) -> Callable[[], Any]:
     import flashinfer
 
     from vattn.backends.flashinfer import gather_page_indices, paged_kv_layout
-    from vattn.backends.utils import get_kv_cache_layout
+    from vattn.core.layout import get_kv_cache_layout
 
     layout = get_kv_cache_layout()
     paged = s.cache.permute(0, 1, 3, 2, 4) if layout == "HND" else s.cache  # FlashInfer's HND view

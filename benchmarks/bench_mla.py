@@ -53,7 +53,7 @@ from torch import nn  # noqa: E402
 
 import vattn  # noqa: E402
 from benchmarks import common, roofline  # noqa: E402
-from vattn.backends.registry import AttentionBackendEnum  # noqa: E402
+from vattn.core.registry import AttentionBackendEnum  # noqa: E402
 from vattn.mla_layer import MLAAttention  # noqa: E402
 
 BACKENDS = ("TRITON_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")

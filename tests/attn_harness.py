@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vattn.backends.utils import CommonAttentionMetadata
+from vattn.core.metadata import CommonAttentionMetadata
 
 __all__ = [
     "BatchSpec",

@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from vattn.config import VattnConfig, set_current_vattn_config
+from vattn.core.config import VattnConfig, set_current_vattn_config
 
 # The repository root: tests import examples/ and benchmarks/ (shared helpers) as packages.
 _ROOT = str(Path(__file__).resolve().parents[1])

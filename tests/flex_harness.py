@@ -18,8 +18,8 @@ from attn_harness import RandomBatch
 from vattn.backends.flex_attention import FlexAttentionImpl, FlexAttentionMetadata, FlexAttentionMetadataBuilder
 from vattn.backends.flex_attention.metadata import Q_BLOCK
 from vattn.backends.flex_attention.paging import MaskSpec, logical_mask, physical_mask
-from vattn.backends.utils import AttentionSpec, CommonAttentionMetadata
-from vattn.config import VattnConfig
+from vattn.core.metadata import AttentionSpec, CommonAttentionMetadata
+from vattn.core.config import VattnConfig
 
 __all__ = ["causal_allowed", "check_block_masks", "explicit_reference", "positions", "run_impl"]
 

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from attn_harness import FakeLayer, assert_close, cache_torch_dtype, kv_round_trip
-from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.mla.common import MLAAttentionSpec
+from vattn.core.metadata import CommonAttentionMetadata
+from vattn.core.metadata import MLAAttentionSpec
 from vattn.metadata import build_common_attn_metadata
 
 __all__ = ["MLABatch", "MLASpec", "assert_close", "check_latent_cache", "dummy_decode_common", "make_mla_batch",

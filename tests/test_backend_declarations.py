@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import vattn
-from vattn.backends.abstract import AttentionBackend, AttentionType
-from vattn.backends.registry import AttentionBackendEnum
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import AttentionBackendEnum
 
 BACKENDS = ("TORCH_SDPA", "TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION", "TREE_ATTN")
 H, HK, D = 4, 2, 32
@@ -48,7 +49,7 @@ def kwargs_of(feature: str, attn_type: str | None) -> dict[str, Any]:
     return {"attn_type": attn_type} if feature == "attn_type" else dict(FEATURES[feature][1])
 
 
-#: How selection names each refused feature (``vattn.backends.checks``).
+#: How selection names each refused feature (``vattn.core.checks``).
 SELECTION_WORDS = {"attn_type": "attn_type", "sliding_window": "sliding window", "logits_soft_cap": "soft cap",
                    "alibi": "ALiBi", "sinks": "sinks"}
 

@@ -1,9 +1,8 @@
-"""Backend utilities: decode/prefill split and reorder, local-attention virtual batches,
+"""Backend utilities: decode/prefill split, local-attention virtual batches,
 KV-cache layout, per-layer hyperparameters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -12,19 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vattn.backends.utils import (
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    CommonAttentionMetadata,
     PerLayerParameters,
-    get_kv_cache_layout,
     get_per_layer_parameters,
     infer_global_hyperparameters,
     make_local_attention_virtual_batches,
-    reorder_batch_to_split_decodes_and_prefills,
-    set_kv_cache_layout,
     split_decodes_and_prefills,
 )
-from vattn.config import VattnConfig, set_current_vattn_config
+from vattn.core.layout import get_kv_cache_layout, set_kv_cache_layout
+from vattn.core.metadata import CommonAttentionMetadata
+from vattn.core.config import VattnConfig, set_current_vattn_config
 
 PROPS = settings(max_examples=150, deadline=None)
 
@@ -81,82 +76,6 @@ def test_split_matches_reference(query_lens, threshold, ordered):
         query_lens = sorted(query_lens, key=lambda q: q > threshold)
     got = split_decodes_and_prefills(common_md(query_lens), decode_threshold=threshold)
     assert got == split_reference(query_lens, threshold)
-
-
-# ---- reorder_batch_to_split_decodes_and_prefills ------------------------------------------
-
-
-@dataclass
-class FakeBatch:
-    """Implements InputBatchProtocol; records swaps."""
-
-    req_ids: list[str]
-    swaps: list[tuple[int, int]] = field(default_factory=list)
-
-    def swap_states(self, i1: int, i2: int) -> None:
-        self.req_ids[i1], self.req_ids[i2] = self.req_ids[i2], self.req_ids[i1]
-        self.swaps.append((i1, i2))
-
-
-@dataclass
-class FakeSchedulerOutput:
-    num_scheduled_tokens: dict[str, int]
-
-
-def make_batch(tokens: list[int]) -> tuple[FakeBatch, FakeSchedulerOutput]:
-    ids = [f"r{i}" for i in range(len(tokens))]
-    return FakeBatch(list(ids)), FakeSchedulerOutput(dict(zip(ids, tokens)))
-
-
-def test_reorder_example():
-    batch, sched = make_batch([5, 1, 7, 1, 1])  # decodes r1, r3, r4; prefills r0, r2
-    assert reorder_batch_to_split_decodes_and_prefills(batch, sched) is True
-    # Last misplaced decode (row 4) swaps with the first misplaced prefill (row 0), and so on.
-    assert batch.swaps == [(0, 4), (2, 3)]
-    assert batch.req_ids == ["r4", "r1", "r3", "r2", "r0"]
-    batch, sched = make_batch([1, 1, 9])
-    assert reorder_batch_to_split_decodes_and_prefills(batch, sched) is False
-    assert batch.swaps == []
-
-
-@PROPS
-@given(tokens=st.lists(st.integers(1, 12), max_size=30), threshold=st.integers(1, 4))
-def test_reorder_properties(tokens, threshold):
-    batch, sched = make_batch(tokens)
-    before = list(batch.req_ids)
-    modified = reorder_batch_to_split_decodes_and_prefills(batch, sched, decode_threshold=threshold)
-    after_tokens = [sched.num_scheduled_tokens[r] for r in batch.req_ids]
-    is_decode = [t <= threshold for t in after_tokens]
-    num_decodes = sum(t <= threshold for t in tokens)
-    assert is_decode == [True] * num_decodes + [False] * (len(tokens) - num_decodes)
-    assert sorted(batch.req_ids) == sorted(before)
-    misplaced = sum(1 for i, t in enumerate(tokens) if t <= threshold and i >= num_decodes)
-    assert len(batch.swaps) == misplaced  # the fewest swaps
-    assert modified == (misplaced > 0)
-    # Requests already in their region stay put.
-    for i, (a, b) in enumerate(zip(before, batch.req_ids)):
-        if (tokens[i] <= threshold) == (i < num_decodes):
-            assert a == b
-
-
-def test_reorder_missing_request_is_a_clear_error():
-    batch = FakeBatch(["a", "b"])
-    with pytest.raises(ValueError, match=r"no entry for request 'b' \(batch row 1\)"):
-        reorder_batch_to_split_decodes_and_prefills(batch, FakeSchedulerOutput({"a": 1}))
-
-
-def test_builder_reorder_batch_uses_threshold():
-    class Builder(AttentionMetadataBuilder):
-        reorder_batch_threshold = 2
-
-        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-            raise NotImplementedError
-
-    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    builder = Builder(spec, ["l0"], VattnConfig(), torch.device("cpu"))
-    batch, sched = make_batch([3, 2, 1])
-    assert builder.reorder_batch(batch, sched) is True
-    assert [sched.num_scheduled_tokens[r] for r in batch.req_ids] == [1, 2, 3]
 
 
 # ---- make_local_attention_virtual_batches -------------------------------------------------

@@ -22,7 +22,7 @@ from torch import nn
 import vattn
 from benchmarks.common import default_dtype
 from conftest import HAS_CUDA
-from vattn.backends import debug_checks
+from vattn.core import debug_checks
 
 H, HK, D, BS, NB = 4, 2, 64, 16, 8
 VALID_SLOTS = [7, 16, 17, 18, 19, 20]  # decode at position 7 (block 0), 5-token prefill (block 1)

@@ -30,7 +30,8 @@ import pytest
 import torch
 
 import vattn
-from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.metadata import AttentionMetadata
 from vattn.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadataBuilder
 from vattn.compile_passes.piecewise import CUDAGraphPiece, PiecewiseRun, _Entry, piecewise_run, weak_ref_tensor
 from vattn.cudagraph import (

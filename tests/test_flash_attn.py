@@ -24,7 +24,7 @@ from attn_harness import (
     reference_attention,
 )
 from vattn.backends.flash_attn import interface as fa_interface
-from vattn.backends.abstract import AttentionCGSupport
+from vattn.core.enums import AttentionCGSupport
 from vattn.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -32,8 +32,9 @@ from vattn.backends.flash_attn import (
     FlashAttnInterface,
     interface_reasons,
 )
-from vattn.backends.utils import AttentionSpec, set_kv_cache_layout
-from vattn.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
+from vattn.core.layout import set_kv_cache_layout
+from vattn.core.metadata import AttentionSpec
+from vattn.core.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
 from vattn.metadata import build_common_attn_metadata
 
 BF16, FP16 = torch.bfloat16, torch.float16

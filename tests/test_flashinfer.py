@@ -29,7 +29,7 @@ from attn_harness import (
 )
 from vattn.backends.flashinfer import backend as fi_backend
 from vattn.backends.flashinfer import paging as fi_paging
-from vattn.backends.abstract import AttentionCGSupport
+from vattn.core.enums import AttentionCGSupport
 from vattn.backends.flashinfer import (
     FlashInferBackend,
     FlashInferImpl,
@@ -37,8 +37,9 @@ from vattn.backends.flashinfer import (
     gather_page_indices,
     paged_kv_layout,
 )
-from vattn.backends.utils import AttentionSpec, set_kv_cache_layout
-from vattn.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
+from vattn.core.layout import set_kv_cache_layout
+from vattn.core.metadata import AttentionSpec
+from vattn.core.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
 
 gpu = [pytest.mark.cuda, pytest.mark.flashinfer]
 

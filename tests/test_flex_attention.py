@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from attn_harness import BatchSpec, RandomBatch, assert_close, batch_specs, check_cache_untouched, check_cache_written
 from attn_harness import make_random_batch
 from flex_harness import causal_allowed, check_block_masks, explicit_reference, positions, run_impl
-from vattn.backends.abstract import AttentionCGSupport
+from vattn.core.enums import AttentionCGSupport
 from vattn.backends.flex_attention import FlexAttentionBackend, FlexAttentionImpl, MaskSpec, mods
 from vattn.backends.flex_attention.compiled import bucket, default_kernel_options
 from vattn.backends.flex_attention.paging import FULL

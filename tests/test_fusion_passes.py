@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import vattn
-from vattn.backends.registry import AttentionBackendEnum, register_backend
+from vattn.core.registry import AttentionBackendEnum, register_backend
 from vattn.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl
 from vattn.compile_passes.pass_manager import PostGradPassManager, get_pass_class
 from vattn.ops.quant_fp8 import FP8_DTYPES, GroupShape, QuantFP8, quantize_fp8_native

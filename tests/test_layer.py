@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import vattn
-from vattn.backends.abstract import AttentionType
+from vattn.core.enums import AttentionType
 
 H, HK, D, BS = 4, 2, 16, 4
 
@@ -203,7 +203,7 @@ def test_input_errors(vattn_config):
             layer(torch.randn(2, H * D), torch.randn(2, HK * D), torch.randn(1, HK * D))
     # cache not bound: metadata present but allocate_kv_cache never called
     from vattn.backends.torch_sdpa import TorchSDPABackend
-    from vattn.backends.utils import AttentionSpec
+    from vattn.core.metadata import AttentionSpec
 
     builder = TorchSDPABackend.get_builder_cls()(AttentionSpec(BS, HK, D, torch.float32), ["a"], vattn_config, "cpu")
     with vattn.set_forward_context(builder.build(0, common), vattn_config):

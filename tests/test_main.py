@@ -17,8 +17,9 @@ import vattn
 import vattn.selector as selector
 from vattn import info
 from vattn.__main__ import main
-from vattn.backends.abstract import AttentionBackend, AttentionCGSupport, AttentionType
-from vattn.backends.registry import (
+from vattn.core.enums import AttentionCGSupport, AttentionType
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import (
     _OVERRIDES,
     AttentionBackendEnum,
     MambaAttentionBackendEnum,

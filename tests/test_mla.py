@@ -22,10 +22,11 @@ import triton_modules
 import vattn
 from benchmarks.common import default_dtype
 from mla_harness import MLASpec, assert_close, check_latent_cache, dummy_decode_common, make_mla_batch
-from vattn.backends.abstract import AttentionCGSupport
-from vattn.backends.mla.common import MLAAttentionSpec, MLACommonBackend, merge_attn_states
-from vattn.backends.registry import AttentionBackendEnum as B
-from vattn.config import CompilationConfig, VattnConfig
+from vattn.core.enums import AttentionCGSupport
+from vattn.backends.mla.common import MLACommonBackend, merge_attn_states
+from vattn.core.metadata import MLAAttentionSpec
+from vattn.core.registry import AttentionBackendEnum as B
+from vattn.core.config import CompilationConfig, VattnConfig
 from vattn.mla_layer import MLAAttention
 
 pytest.importorskip("triton")

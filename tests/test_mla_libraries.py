@@ -25,7 +25,7 @@ from vattn.backends.mla import flashattn_mla
 from vattn.backends.mla.flashattn_mla import FlashAttnMLAImpl, MLAFlashAttnInterface
 from vattn.backends.mla.flashinfer_mla import FlashInferMLAImpl, FlashInferMLAMetadataBuilder
 from vattn.backends.mla.common import MLACommonMetadataBuilder
-from vattn.config import CompilationConfig, VattnConfig
+from vattn.core.config import CompilationConfig, VattnConfig
 
 SIZES = dict(num_heads=3, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 MIXED = dict(context_lens=(0, 37, 100, 5, 40, 0), query_lens=(1, 1, 1, 9, 23, 11))

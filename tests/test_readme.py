@@ -62,7 +62,7 @@ def test_variable_table_lists_every_variable_of_envs() -> None:
 
 
 def test_support_matrix_lists_every_implemented_backend() -> None:
-    from vattn.backends.registry import AttentionBackendEnum
+    from vattn.core.registry import AttentionBackendEnum
 
     members = [m for m in AttentionBackendEnum if m.value and m.is_implemented()
                and m is not AttentionBackendEnum.NO_ATTENTION]  # a placeholder without kernels

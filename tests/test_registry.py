@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from vattn.backends.abstract import AttentionBackend
-from vattn.backends.registry import (
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import (
     _OVERRIDES,
     MAMBA_TYPE_TO_BACKEND_MAP,
     AttentionBackendEnum,
@@ -146,7 +146,7 @@ def test_is_implemented_imports_nothing():
     """Finding a module must not import it (or the kernel library it would pull in)."""
     code = (
         "import sys, vattn\n"
-        "from vattn.backends.registry import AttentionBackendEnum as B\n"
+        "from vattn.core.registry import AttentionBackendEnum as B\n"
         "before = set(sys.modules)\n"
         "print([m.name for m in B if m.is_implemented()])\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith(('vattn', 'triton', 'flash'))))\n"
@@ -231,7 +231,7 @@ def test_decorator_fills_custom_even_for_local_classes():
     assert B.CUSTOM.get_class() is LocalBackend
     assert B.CUSTOM.get_path().endswith("LocalBackend")
     # Re-registering by path replaces the class object.
-    register_backend(B.CUSTOM, "vattn.backends.abstract.AttentionBackend")
+    register_backend(B.CUSTOM, "vattn.core.interface.AttentionBackend")
     assert B.CUSTOM.get_class() is AttentionBackend
     B.CUSTOM.clear_override()
     with pytest.raises(ValueError, match="must be registered"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import vattn.selector as selector
-from vattn.backends.abstract import AttentionBackend
-from vattn.backends.registry import _OVERRIDES, AttentionBackendEnum, register_backend, vattn_version
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import _OVERRIDES, AttentionBackendEnum, register_backend, vattn_version
 from vattn.platform import CpuPlatform, CudaPlatform, DeviceCapability, Platform, current_platform
 from vattn.selector import (
     backend_name_to_enum,
@@ -343,7 +343,7 @@ def test_registered_non_backend_class_is_rejected(monkeypatch):
         pass
 
     monkeypatch.setenv(ENV, "CUSTOM")
-    with pytest.raises(ValueError, match="not a subclass of vattn.backends.abstract.AttentionBackend"):
+    with pytest.raises(ValueError, match="not a subclass of vattn.core.interface.AttentionBackend"):
         get_attn_backend(64, F16, "auto", 16)
 
 

@@ -19,10 +19,11 @@ from attn_harness import (
     check_cache_written,
     make_random_batch,
 )
-from vattn.backends.abstract import AttentionCGSupport, AttentionType
+from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadataBuilder
-from vattn.backends.utils import AttentionSpec, set_kv_cache_layout
-from vattn.config import VattnConfig
+from vattn.core.layout import set_kv_cache_layout
+from vattn.core.metadata import AttentionSpec
+from vattn.core.config import VattnConfig
 
 MIXED = dict(context_lens=(7, 0, 33, 0, 12, 5), query_lens=(1, 1, 1, 9, 6, 17))
 

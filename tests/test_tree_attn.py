@@ -10,7 +10,7 @@ import vattn
 from attn_harness import BatchSpec, RandomBatch, assert_close, check_cache_untouched, make_random_batch, tree_allowed
 from flex_harness import check_block_masks, explicit_reference, positions, run_impl
 from vattn.backends.flex_attention import mods
-from vattn.backends.registry import AttentionBackendEnum
+from vattn.core.registry import AttentionBackendEnum
 from vattn.backends.tree_attn import TreeAttentionBackend, TreeAttentionImpl, TreeAttentionMetadataBuilder, ancestors
 from vattn.metadata import build_common_attn_metadata
 

@@ -27,10 +27,11 @@ from attn_harness import (
     tree_allowed,
 )
 import triton_modules
-from vattn.backends.abstract import AttentionCGSupport, AttentionType
+from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.backends.triton import config as tcfg
-from vattn.backends.utils import AttentionSpec, CommonAttentionMetadata, set_kv_cache_layout
-from vattn.config import CompilationConfig, VattnConfig
+from vattn.core.layout import set_kv_cache_layout
+from vattn.core.metadata import AttentionSpec, CommonAttentionMetadata
+from vattn.core.config import CompilationConfig, VattnConfig
 
 pytest.importorskip("triton")
 

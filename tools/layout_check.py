@@ -1,7 +1,10 @@
 """Checks of vattn's layout that the tests run (tests/test_layout.py) and a maintainer can run:
 
 * no import cycle among vattn's modules, counting imports inside functions (a function-local
-  import that hides a cycle is still a cycle) and leaving out ``if TYPE_CHECKING:`` blocks;
+  import that hides a cycle is still a cycle) and type-only imports (``if TYPE_CHECKING:``);
+* the floor plan (``FLOORS``): each top-level module or folder of vattn (a *unit*) has a floor,
+  and an import from a unit to one on a higher floor runs *back up*; at most
+  ``MAX_BACK_EDGES`` of those, and no unit left off the plan;
 * no module over 400 lines, except kernel files (modules defining ``@triton.jit`` functions);
 * no measured figure (ms, us, TB/s) or GPU model name in vattn's docstrings and comments.
 
@@ -20,6 +23,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vattn"
 MAX_LINES = 400
+MAX_BACK_EDGES = 2
+
+#: vattn's floor plan, bottom up: a unit imports units on its own floor or below. ``core`` holds
+#: the contract (interface, capabilities, enums, registry, metadata types, checks, config); ops
+#: and the layers sit on it; backends plug in above them; engines' helpers, compile and graphs
+#: on top; ``vattn`` is the package's ``__init__`` (the public names).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("_version", "_compat", "envs"),
+    ("kernels",),
+    ("core",),
+    ("platform", "forward_context"),
+    ("ops",),
+    ("selector",),
+    ("layer", "mla_layer", "mixers"),
+    ("backends",),
+    ("metadata", "input_batch", "kv_cache"),
+    ("compile_passes",),
+    ("cudagraph",),
+    ("vattn",),
+    ("integrations", "info", "info_layers"),
+    ("__main__",),
+)
 FIGURE = re.compile(r"\d\s?(ms|us|µs)\b|TB/s|GB/s|TFLOP/s|\bH100\b|\bH200\b|\bA100\b|\bB200\b")
 
 
@@ -40,8 +65,9 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The vattn modules ``name`` imports at run time (anywhere in the file)."""
+def imports_of(name: str, path: Path, known: set[str], type_only: bool = True) -> set[str]:
+    """The vattn modules ``name`` imports anywhere in the file (``type_only``: also inside
+    ``if TYPE_CHECKING:`` blocks)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -52,7 +78,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         return mod or None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -83,6 +109,37 @@ def import_graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
     return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def unit_of(module: str) -> str:
+    """``vattn.core.interface`` -> ``core``; ``vattn`` (the package itself) -> ``vattn``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def unit_graph() -> dict[str, set[str]]:
+    """Imports between units (type-only imports included), self-imports left out."""
+    out: dict[str, set[str]] = {}
+    for a, targets in import_graph().items():
+        ua = unit_of(a)
+        out.setdefault(ua, set()).update(unit_of(b) for b in targets if unit_of(b) != ua)
+    return out
+
+
+def floor_of() -> dict[str, int]:
+    return {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
+
+
+def back_edges() -> list[tuple[str, str]]:
+    """Imports running back up the floor plan, as ``(importer, imported)`` units."""
+    floors = floor_of()
+    return sorted((a, b) for a, targets in unit_graph().items() for b in targets
+                  if a in floors and b in floors and floors[b] > floors[a])
+
+
+def units_off_plan() -> list[str]:
+    floors = floor_of()
+    return sorted(u for u in unit_graph() if u not in floors)
 
 
 def import_cycles() -> list[list[str]]:
@@ -162,8 +219,16 @@ def measured_figures() -> list[str]:
 
 def main() -> int:
     findings = [f"import cycle: {' <-> '.join(c)}" for c in import_cycles()]
+    back = back_edges()
+    if len(back) > MAX_BACK_EDGES:
+        findings.append(f"{len(back)} imports run back up the floor plan (at most {MAX_BACK_EDGES}): "
+                        + ", ".join(f"{a} -> {b}" for a, b in back))
+    findings += [f"unit {u} is not on the floor plan (tools/layout_check.py FLOORS)" for u in units_off_plan()]
     findings += [f"{name}: {n} lines (> {MAX_LINES}, not a kernel file)" for name, n in long_modules()]
     findings += [f"measured figure: {f}" for f in measured_figures()]
+    graph = unit_graph()
+    print(f"{len(graph)} units, {sum(map(len, graph.values()))} imports between them, "
+          f"{len(back)} back up: {back or 'none'}")
     print("\n".join(findings) or "layout: no findings")
     return 1 if findings else 0
 

@@ -16,34 +16,26 @@ from vattn._compat import check_torch
 check_torch(torch.__version__)
 
 from vattn._version import __version__  # noqa: E402
-from vattn.backends.abstract import (
-    AttentionBackend,
-    AttentionCGSupport,
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionType,
-)
-from vattn.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum, register_backend
-from vattn.backends.utils import (
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    CommonAttentionMetadata,
-    PerLayerParameters,
-    get_kv_cache_layout,
-    get_per_layer_parameters,
-    infer_global_hyperparameters,
-    make_local_attention_virtual_batches,
-    reorder_batch_to_split_decodes_and_prefills,
-    set_kv_cache_layout,
-    split_decodes_and_prefills,
-)
-from vattn.config import (
+from vattn.core.capabilities import Capabilities
+from vattn.core.config import (
     CacheConfig,
     CompilationConfig,
     CUDAGraphMode,
     VattnConfig,
     get_current_vattn_config,
     set_current_vattn_config,
+)
+from vattn.core.enums import AttentionCGSupport, AttentionType
+from vattn.core.interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from vattn.core.layout import get_kv_cache_layout, set_kv_cache_layout
+from vattn.core.metadata import AttentionMetadata, AttentionSpec, CommonAttentionMetadata
+from vattn.core.registry import AttentionBackendEnum, MambaAttentionBackendEnum, register_backend
+from vattn.backends.utils import (
+    PerLayerParameters,
+    get_per_layer_parameters,
+    infer_global_hyperparameters,
+    make_local_attention_virtual_batches,
+    split_decodes_and_prefills,
 )
 from vattn.forward_context import ForwardContext, get_forward_context, set_forward_context
 from vattn.input_batch import InputBatch
@@ -86,6 +78,7 @@ __all__ = [
     "bind_kv_cache",
     "build_common_attn_metadata",
     "CacheConfig",
+    "Capabilities",
     "CommonAttentionMetadata",
     "CompilationConfig",
     "compile",
@@ -118,7 +111,6 @@ __all__ = [
     "PagedKVCache",
     "PerLayerParameters",
     "register_backend",
-    "reorder_batch_to_split_decodes_and_prefills",
     "set_current_vattn_config",
     "set_forward_context",
     "set_kv_cache_layout",

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from vattn import envs
-from vattn.config import VattnConfig, get_current_vattn_config
+from vattn.core.config import VattnConfig, get_current_vattn_config
 
 if TYPE_CHECKING:
-    from vattn.backends.abstract import AttentionMetadata
-    from vattn.layer import Attention
+    from vattn.core.metadata import AttentionMetadata
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["ForwardContext", "get_forward_context", "set_forward_context", "is_forward_context_available"]
 
@@ -28,7 +28,6 @@ class ForwardContext:
         no_compile_layers: layer name -> ``vattn.Attention`` (the config's static forward context).
         attn_metadata: one metadata for every layer, a dict layer name -> metadata, or
             ``None`` for a warm-up / profile run (``dummy_run``: the cache is left untouched).
-        virtual_engine: index into each layer's ``kv_cache`` list (pipeline stage).
         batch_descriptor: set by the CUDA-graph runner (the padded size being replayed).
         debug_checks: ``VATTN_DEBUG_CHECKS`` when the context was set (read once per step).
         dummy_run: a warm-up / profile run: layers without metadata return zeros and write
@@ -37,7 +36,6 @@ class ForwardContext:
 
     no_compile_layers: dict[str, "Attention"]
     attn_metadata: "AttentionMetadata | dict[str, AttentionMetadata] | None"
-    virtual_engine: int = 0
     batch_descriptor: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     debug_checks: bool = False
@@ -103,7 +101,6 @@ def set_forward_context(
     attn_metadata: "AttentionMetadata | dict[str, AttentionMetadata] | None",
     vattn_config: VattnConfig | None = None,
     *,
-    virtual_engine: int = 0,
     batch_descriptor: Any = None,
     dummy_run: bool = False,
 ) -> Iterator[ForwardContext]:
@@ -122,7 +119,6 @@ def set_forward_context(
     ctx = ForwardContext(
         no_compile_layers=config.compilation.static_forward_context,
         attn_metadata=attn_metadata,
-        virtual_engine=virtual_engine,
         batch_descriptor=batch_descriptor,
         debug_checks=envs.VATTN_DEBUG_CHECKS,
         dummy_run=bool(dummy_run),

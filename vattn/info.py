@@ -21,8 +21,9 @@ from typing import Any, Callable
 import torch
 
 from vattn import __version__, envs
-from vattn.backends.abstract import AttentionBackend, AttentionCGSupport
-from vattn.backends.registry import AttentionBackendEnum, MambaAttentionBackendEnum, vattn_version
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import AttentionBackendEnum, MambaAttentionBackendEnum, vattn_version
 from vattn.backends.support import CG_WORDS, format_sizes, support_matrix_markdown
 from vattn.backends.support import yes as _yes
 from vattn.platform import current_platform

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vattn.backends.abstract import AttentionType
+from vattn.core.enums import AttentionType
 from vattn.platform import current_platform
 from vattn import envs
 from vattn.selector import _reasons_against, get_attn_backend, get_global_forced_attn_backend

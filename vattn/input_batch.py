@@ -36,8 +36,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.batch_checks import StepChecks, fail
+from vattn.core.metadata import CommonAttentionMetadata
+from vattn.core.batch_checks import StepChecks, fail
 from vattn.metadata import _int_kind
 
 __all__ = ["InputBatch"]

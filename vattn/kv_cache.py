@@ -15,26 +15,21 @@ import numpy as np
 import torch
 
 from vattn import envs
-from vattn.backends.abstract import (
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    AttentionType,
-    CommonAttentionMetadata,
-)
-from vattn.backends.batch_checks import StepChecks, cache_geometry
-from vattn.backends.checks import check_common_metadata
-from vattn.backends.debug_checks import check_common_on_device
-from vattn.backends.registry import AttentionBackendEnum
-from vattn.config import VattnConfig, get_current_vattn_config
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend, AttentionMetadataBuilder
+from vattn.core.metadata import AttentionMetadata, AttentionSpec, CommonAttentionMetadata
+from vattn.core.batch_checks import StepChecks, cache_geometry
+from vattn.core.metadata import check_common_metadata
+from vattn.core.debug_checks import check_common_on_device
+from vattn.core.registry import AttentionBackendEnum
+from vattn.core.config import VattnConfig, get_current_vattn_config
 from vattn.metadata import build_common_attn_metadata
 from vattn.mixers.base import MambaBase
 from vattn.mixers.state import allocate_states, state_bytes
 from vattn.ops.kv_store import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
-    from vattn.backends.abstract import AttentionLayerBase
+    from vattn.core.interface import AttentionLayerBase
     from vattn.layer import Attention
 
 __all__ = ["KVCacheGroup", "PagedKVCache", "allocate_kv_cache", "bind_kv_cache"]

@@ -10,10 +10,12 @@ from torch import nn
 
 import vattn.ops  # noqa: F401  (registers the vattn:: ops)
 from vattn import envs
-from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, AttentionType, is_fp8_kv_cache
-from vattn.backends.checks import check_layer_args, check_mods, validate_kv_sharing_target
-from vattn.backends.registry import AttentionBackendEnum
-from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend, AttentionLayerBase
+from vattn.core.metadata import is_fp8_kv_cache
+from vattn.core.checks import check_layer_args, check_mods, validate_kv_sharing_target
+from vattn.core.registry import AttentionBackendEnum
+from vattn.core.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.ops.attention import run_layer
 from vattn.ops.kv_store import fp8_dtype_for
 from vattn.ops.library import eager_direct_ok

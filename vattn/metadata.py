@@ -4,52 +4,16 @@ a caller would otherwise write, vectorized on the host, with one host-to-device 
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.batch_checks import StepChecks, check_duplicate_blocks
+from vattn.core.metadata import CommonAttentionMetadata, to_device
+from vattn.core.batch_checks import StepChecks, check_duplicate_blocks
 
-__all__ = ["build_common_attn_metadata", "to_device"]
-
-
-def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Numpy arrays as tensors on ``device``, in one host-to-device copy on CUDA.
-
-    The arrays are laid out in one pinned buffer, copied without blocking the host, and
-    returned as views of the device copy: one copy per step instead of one per array (each
-    copy and pinning costs the host tens of microseconds). Each view starts 16-byte aligned,
-    as a tensor of its own would (Triton specialises kernels on pointer alignment).
-    """
-    if device.type != "cuda":
-        return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
-    offsets, total = [], 0
-    for a in arrays:
-        offsets.append(total)
-        total += -(-a.nbytes // 16) * 16
-    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=True)
-    buf = host.numpy()
-    for a, off in zip(arrays, offsets):
-        buf[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    dev = host.to(device, non_blocking=True)
-    typed: dict[torch.dtype, torch.Tensor] = {}  # the copy viewed as each dtype once (view ops cost the host)
-    out = []
-    for a, off in zip(arrays, offsets):
-        dt = _torch_dtype(a.dtype)
-        if dt not in typed:
-            typed[dt] = dev.view(dt)
-        flat = typed[dt][off // a.itemsize : off // a.itemsize + a.size]
-        out.append(flat if a.ndim == 1 else flat.view(a.shape))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+__all__ = ["build_common_attn_metadata"]
 
 
 def _int_kind(name: str, arr: np.ndarray, fix: str) -> np.ndarray:

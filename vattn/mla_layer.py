@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 import vattn.ops  # noqa: F401  (registers the vattn:: ops)
-from vattn.backends.abstract import AttentionBackend, AttentionLayerBase, AttentionType
-from vattn.backends.checks import check_layer_args, fail
-from vattn.backends.mla.common import MLAAttentionSpec
-from vattn.backends.registry import AttentionBackendEnum
-from vattn.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend, AttentionLayerBase
+from vattn.core.checks import check_layer_args, fail
+from vattn.core.metadata import MLAAttentionSpec
+from vattn.core.registry import AttentionBackendEnum
+from vattn.core.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.ops.mla import unified_mla_attention_with_output
 from vattn.ops.library import eager_direct_ok
 from vattn.platform import current_platform

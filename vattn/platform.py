@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from vattn.backends.registry import AttentionBackendEnum
+from vattn.core.registry import AttentionBackendEnum
 
 __all__ = [
     "CpuPlatform",

@@ -33,9 +33,10 @@ from typing import Iterator
 import torch
 
 from vattn import envs
-from vattn.backends.abstract import AttentionBackend, AttentionType
-from vattn.backends.registry import AttentionBackendEnum, registry_generation, valid_options, vattn_version
-from vattn.config import CACHE_DTYPES
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import AttentionBackendEnum, registry_generation, valid_options, vattn_version
+from vattn.core.config import CACHE_DTYPES
 from vattn.platform import Platform, current_platform
 
 __all__ = [
@@ -287,7 +288,7 @@ def _reasons_against(
         return None, [str(e)]
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
         return None, [
-            f"{cls!r} is not a subclass of vattn.backends.abstract.AttentionBackend; "
+            f"{cls!r} is not a subclass of vattn.core.interface.AttentionBackend; "
             "register a class that derives from it"
         ]
     try:

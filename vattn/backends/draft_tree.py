@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.batch_checks import fail
+from vattn.core.metadata import CommonAttentionMetadata
+from vattn.core.batch_checks import fail
 
 __all__ = ["ancestors", "checked_parents", "request_parents", "token_tree_rows"]
 

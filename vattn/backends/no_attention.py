@@ -12,14 +12,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from vattn.backends.abstract import (
-    AttentionBackend,
-    AttentionCGSupport,
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from vattn.core.metadata import AttentionMetadata, CommonAttentionMetadata
 
 __all__ = ["NoAttentionBackend"]
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from vattn.backends.abstract import AttentionBackend, AttentionCGSupport, AttentionType
-from vattn.backends.registry import AttentionBackendEnum
+from vattn.core.enums import AttentionCGSupport, AttentionType
+from vattn.core.interface import AttentionBackend
+from vattn.core.registry import AttentionBackendEnum
 
 __all__ = ["MATRIX_NOTE_KEYS", "format_sizes", "support_matrix_markdown", "yes"]
 

@@ -1,9 +1,8 @@
 """Backend utilities (the seeds' ``vllm/v1/attention/backends/utils.py``).
 
-Local-attention virtual batches, the KV-cache layout, per-layer hyperparameters, and shared
-argument checks. The seeds import ``CommonAttentionMetadata``, ``AttentionMetadataBuilder`` and
-the decode/prefill split from this module: they are re-exported here from
-``vattn.backends.abstract`` and ``vattn.backends.decode_split``, where they are defined.
+Local-attention virtual batches, per-layer hyperparameters, fp8 scales, and the decode/prefill
+split of a batch ordered decodes first. The contract's classes live in ``vattn.core``; the
+KV-cache layout in ``vattn.core.layout``.
 """
 
 from __future__ import annotations
@@ -15,43 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vattn import envs
-from vattn.backends.abstract import (
-    AttentionImpl,
-    AttentionLayerBase,
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    CommonAttentionMetadata,
-)
-from vattn.backends.decode_split import (
-    InputBatchProtocol,
-    SchedulerOutputProtocol,
-    reorder_batch_to_split_decodes_and_prefills,
-    split_decodes_and_prefills,
-)
+from vattn.core.interface import AttentionImpl, AttentionLayerBase
+from vattn.core.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
 
 __all__ = [
-    "AttentionMetadataBuilder",
-    "AttentionSpec",
-    "CommonAttentionMetadata",
-    "InputBatchProtocol",
-    "KV_CACHE_LAYOUTS",
     "PerLayerParameters",
-    "SchedulerOutputProtocol",
-    "check_kv_cache_shape_args",
-    "get_kv_cache_layout",
     "get_per_layer_parameters",
     "infer_global_hyperparameters",
     "layer_scales",
     "make_local_attention_virtual_batches",
-    "paged_kv_stride_order",
-    "reorder_batch_to_split_decodes_and_prefills",
-    "set_kv_cache_layout",
     "split_decodes_and_prefills",
 ]
 
@@ -148,43 +124,6 @@ def make_local_attention_virtual_batches(
     return seqlens_q_local, cu_seqlens_q_local, seqlens_k_local, block_table_local
 
 
-# ---- KV-cache layout ----------------------------------------------------------------
-
-KV_CACHE_LAYOUTS = ("NHD", "HND")
-
-
-class _LayoutOverride:
-    layout: str | None = None
-
-
-def _check_layout(value: str, source: str) -> str:
-    layout = value.strip().upper() if isinstance(value, str) else value
-    if layout not in KV_CACHE_LAYOUTS:
-        raise ValueError(
-            f"{source} must be one of {KV_CACHE_LAYOUTS} (NHD: blocks x tokens x heads x dim; "
-            f"HND: blocks x heads x tokens x dim), got {value!r}."
-        )
-    return layout
-
-
-def get_kv_cache_layout() -> str:
-    """The paged KV cache's physical layout, ``"NHD"`` (default) or ``"HND"``.
-
-    ``set_kv_cache_layout`` wins over the ``VATTN_KV_CACHE_LAYOUT`` environment variable.
-    """
-    if _LayoutOverride.layout is not None:
-        return _LayoutOverride.layout
-    env = envs.VATTN_KV_CACHE_LAYOUT
-    if env is not None:
-        return _check_layout(env, "VATTN_KV_CACHE_LAYOUT")
-    return "NHD"
-
-
-def set_kv_cache_layout(cache_layout: str | None) -> None:
-    """Override the KV-cache layout (``"NHD"``/``"HND"``); ``None`` removes the override."""
-    _LayoutOverride.layout = None if cache_layout is None else _check_layout(cache_layout, "cache_layout")
-
-
 # ---- per-layer hyperparameters --------------------------------------------------------
 
 
@@ -269,17 +208,29 @@ def infer_global_hyperparameters(
     return first
 
 
-def check_kv_cache_shape_args(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> None:
-    """Shared argument check of every backend's ``get_kv_cache_shape``."""
-    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                    ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"get_kv_cache_shape: {name} must be a positive int, got {v!r}.")
+def split_decodes_and_prefills(
+    common_attn_metadata: "CommonAttentionMetadata",
+    decode_threshold: int = 1,
+) -> tuple[int, int, int, int]:
+    """Find the decode/prefill boundary of a batch ordered decodes first.
 
+    A decode is a request with at most ``decode_threshold`` new tokens. The decodes are
+    the leading run of such requests; every request from the first longer one on counts
+    as a prefill (so CUDA-graph padding requests, which come last, join the prefills, and
+    an unordered batch is never split wrongly, only less efficiently: a prefill path
+    handles any query length). Host-only: reads ``query_start_loc_cpu``.
 
-def paged_kv_stride_order() -> tuple[int, int, int, int, int]:
-    """Stride order of a 5-D paged cache whose dims 2, 3 are (block_size, num_kv_heads).
-
-    Identity for ``NHD``; ``(0, 1, 3, 2, 4)`` (heads before tokens in memory) for ``HND``.
+    Returns:
+        ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
     """
-    return (0, 1, 3, 2, 4) if get_kv_cache_layout() == "HND" else (0, 1, 2, 3, 4)
+    num_reqs = common_attn_metadata.num_reqs
+    num_tokens = common_attn_metadata.num_actual_tokens
+    if common_attn_metadata.max_query_len <= decode_threshold:
+        return num_reqs, 0, num_tokens, 0
+    qsl = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1]
+    is_prefill = (qsl[1:] - qsl[:-1]) > decode_threshold
+    if not bool(is_prefill.any()):
+        return num_reqs, 0, num_tokens, 0
+    first_prefill = int(is_prefill.int().argmax())
+    num_decode_tokens = int(qsl[first_prefill] - qsl[0])
+    return first_prefill, num_reqs - first_prefill, num_decode_tokens, num_tokens - num_decode_tokens

@@ -38,16 +38,13 @@ import os
 import pickle
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from vattn.compile_passes.trace_state import saving_trace
 from vattn.mixers.base import MambaBase
-
-if TYPE_CHECKING:
-    from vattn.compile_passes.backend import VattnBackend
 
 __all__ = ["SerializableSplitModule", "aot_supported", "cache_key", "compile_and_save", "load", "path_for", "save"]
 
@@ -139,7 +136,7 @@ class SerializableSplitModule(_SerializableBase):  # type: ignore[misc,valid-typ
         loaded.append(fn)
         return fn
 
-    def compile(self, backend: "VattnBackend") -> None:
+    def compile(self, backend: Any) -> None:
         """Run ``backend`` on the loaded graph, with its placeholders' fake values as inputs."""
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
@@ -171,7 +168,7 @@ def _pickler() -> type:
 
 
 @contextlib.contextmanager
-def _trace_config(backend: "VattnBackend") -> Any:
+def _trace_config(backend: Any) -> Any:
     """The config the backend ran under during the original trace (backed, size-oblivious symbols)."""
     if backend.suppress_guards:
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
@@ -209,8 +206,8 @@ def cache_key(model: torch.nn.Module, config: Any, *, dynamic: Any, inputs: Sequ
     Args:
         inputs: ``(argument name, value, dims marked dynamic)`` for each forward argument.
     """
-    import vattn
     from vattn import envs
+    from vattn._version import __version__
 
     cc = config.compilation
     compilation = {f.name: repr(getattr(cc, f.name)) for f in dataclasses.fields(cc)
@@ -219,7 +216,7 @@ def cache_key(model: torch.nn.Module, config: Any, *, dynamic: Any, inputs: Sequ
         if torch.distributed.is_available() and torch.distributed.is_initialized() else None
     factors = {
         "format": _FORMAT,
-        "versions": (torch.__version__, vattn.__version__, sys.version_info[:2]),
+        "versions": (torch.__version__, __version__, sys.version_info[:2]),
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "modules": sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}),
         "params": [(n, *_tensor_sig(p)) for n, p in model.named_parameters()],
@@ -242,7 +239,7 @@ def path_for(cache_dir: str, model: torch.nn.Module, key: str) -> str:
     return os.path.join(cache_dir, f"{type(model).__name__}-{key[:24]}.dynamo")
 
 
-def compile_and_save(model: torch.nn.Module, backend: "VattnBackend", args: tuple[Any, ...],
+def compile_and_save(model: torch.nn.Module, backend: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any], path: str) -> Any:
     """Trace ``model`` ahead of time on ``(args, kwargs)`` (dims already marked dynamic),
     compile it with ``backend`` and save the trace to ``path``. Returns the
@@ -316,7 +313,7 @@ def save(fn: Any, path: str) -> None:
                        path, type(e).__name__, e)
 
 
-def load(path: str, model: torch.nn.Module, backend: "VattnBackend",
+def load(path: str, model: torch.nn.Module, backend: Any,
          seconds: dict[str, float] | None = None) -> Any | None:
     """The ``AOTCompiledFunction`` stored at ``path``, compiled by ``backend``; None (with
     the reason logged) when there is no file, a module it traced has changed since, or it

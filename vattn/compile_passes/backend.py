@@ -55,7 +55,7 @@ from vattn.compile_passes.pieces import PieceCompiler, fake_inputs, piece_key, t
 from vattn.compile_passes.piecewise import CUDAGraphPiece, StaticSizes
 from vattn.compile_passes.rope_fusion import fuse_rope
 from vattn.compile_passes.split import SplitItem, direct_op_call, split_graph
-from vattn.config import VattnConfig
+from vattn.core.config import VattnConfig
 
 __all__ = ["CompilationCounter", "VattnBackend", "compilation_counter"]
 

@@ -34,7 +34,7 @@ from vattn.compile_passes import aot_cache
 from vattn.compile_passes.backend import VattnBackend
 from vattn.compile_passes.dispatch import DirectDispatch
 from vattn.compile_passes.pass_manager import get_pass_class
-from vattn.config import VattnConfig, get_current_vattn_config
+from vattn.core.config import VattnConfig, get_current_vattn_config
 
 __all__ = ["VattnCompiledModel", "compile"]
 

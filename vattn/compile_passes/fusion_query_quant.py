@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from vattn.compile_passes.pass_manager import VattnPass, register_pass
-from vattn.config import VattnConfig, get_current_vattn_config
+from vattn.core.config import VattnConfig, get_current_vattn_config
 
 __all__ = ["QueryQuantFusionPass"]
 

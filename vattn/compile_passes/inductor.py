@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from vattn.config import CompilationConfig
+from vattn.core.config import CompilationConfig
 from vattn.kernels.launch import pdl_supported
 
 __all__ = ["combo_default", "compile_with_inductor", "on_pdl_device", "pdl_default", "shape_guards_suppressed"]

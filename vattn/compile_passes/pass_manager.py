@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from vattn.config import VattnConfig
+from vattn.core.config import VattnConfig
 
 __all__ = [
     "BUILTIN_PASSES",

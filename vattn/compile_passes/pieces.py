@@ -10,7 +10,7 @@ piece, with its fake inputs, to the backend.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -18,9 +18,6 @@ from torch.utils._pytree import tree_map
 
 from vattn.compile_passes.piecewise import CUDAGraphPiece
 from vattn.compile_passes.split import SplitItem
-
-if TYPE_CHECKING:
-    from vattn.compile_passes.backend import VattnBackend
 
 __all__ = ["PieceCompiler", "fake_inputs", "piece_key", "token_count_locator"]
 
@@ -101,7 +98,7 @@ def fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:
 class PieceCompiler(torch.fx.Interpreter):
     """Runs the split module on fake inputs; compiles each piece with its (fake) inputs."""
 
-    def __init__(self, module: fx.GraphModule, to_compile: Mapping[str, SplitItem], backend: "VattnBackend") -> None:
+    def __init__(self, module: fx.GraphModule, to_compile: Mapping[str, SplitItem], backend: Any) -> None:
         super().__init__(module)
         self.to_compile = to_compile
         self.backend = backend

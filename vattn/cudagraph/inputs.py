@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vattn.backends.utils import CommonAttentionMetadata
+from vattn.core.metadata import CommonAttentionMetadata
 
 __all__ = ["DEFAULT_INPUTS", "GraphInput", "InputBuffers", "check_inputs", "resolve_inputs", "split_call_args"]
 

@@ -17,9 +17,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from vattn.backends.abstract import AttentionCGSupport
-from vattn.backends.utils import CommonAttentionMetadata
-from vattn.config import CUDAGraphMode, VattnConfig, _default_capture_sizes
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.metadata import CommonAttentionMetadata
+from vattn.core.config import CUDAGraphMode, VattnConfig, _default_capture_sizes
 
 __all__ = [
     "FULL_MODES",

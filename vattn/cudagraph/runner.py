@@ -17,11 +17,11 @@ import torch
 from torch.utils._pytree import tree_map
 
 from vattn import envs
-from vattn.backends.abstract import AttentionCGSupport
-from vattn.backends.utils import CommonAttentionMetadata
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.metadata import CommonAttentionMetadata
 from vattn.compile_passes import piecewise as _piecewise
 from vattn.compile_passes.piecewise import PiecewiseRun, piecewise_run, weak_ref_tensor
-from vattn.config import CUDAGraphMode, VattnConfig
+from vattn.core.config import CUDAGraphMode, VattnConfig
 from vattn.cudagraph.inputs import GraphInput, InputBuffers, check_inputs, resolve_inputs, split_call_args
 from vattn.cudagraph.policy import (
     FULL_MODES,

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import vattn.ops  # noqa: F401  (registers the vattn:: ops)
-from vattn.backends.mamba.common import MambaBackend, MambaSpec
-from vattn.backends.registry import MAMBA_TYPE_TO_BACKEND_MAP, MambaAttentionBackendEnum
-from vattn.config import get_current_vattn_config
+from vattn.core.mamba import MambaBackend, MambaSpec
+from vattn.core.registry import MAMBA_TYPE_TO_BACKEND_MAP, MambaAttentionBackendEnum
+from vattn.core.config import get_current_vattn_config
 from vattn.ops.library import eager_direct_ok
 from vattn.ops.mixer import run_mixer
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
     from vattn.mixers.base import MambaBase
 
 __all__ = ["allocate_states", "state_bytes"]

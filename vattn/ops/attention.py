@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from vattn.backends.abstract import AttentionMetadata, AttentionType, CommonAttentionMetadata
-from vattn.backends.batch_checks import cache_geometry, fail
-from vattn.backends.debug_checks import check_backend_metadata
-from vattn.config import get_current_vattn_config
+from vattn.core.enums import AttentionType
+from vattn.core.metadata import AttentionMetadata, CommonAttentionMetadata
+from vattn.core.batch_checks import cache_geometry, fail
+from vattn.core.debug_checks import check_backend_metadata
+from vattn.core.config import get_current_vattn_config
 from vattn.forward_context import get_forward_context, is_forward_context_available
 from vattn.ops.library import register_op
 from vattn.ops.rotary import apply_rotary, check_rope
@@ -46,7 +47,7 @@ def run_layer(
     ctx = get_forward_context()
     layer = ctx.layer(layer_name)
     attn_metadata = ctx.metadata_for(layer_name)
-    kv_cache = layer.kv_cache[ctx.virtual_engine]
+    kv_cache = layer.kv_cache[0]
     if attn_metadata is None:  # a warm-up / profile run (ctx.dummy_run): cache untouched, zeros out
         ctx.check_dummy_run(layer_name)
         if output is None:

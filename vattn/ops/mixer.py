@@ -21,7 +21,7 @@ __all__ = ["mixer_with_output", "run_mixer"]
 
 def run_mixer(inputs: list[Optional[torch.Tensor]], output: torch.Tensor, layer_name: str, part: int = 0) -> None:
     """Run mixer layer ``layer_name``'s step for ``inputs`` into ``output`` (the op's implementation)."""
-    from vattn.backends.mamba.common import MambaMetadata
+    from vattn.core.mamba import MambaMetadata
 
     ctx = get_forward_context()
     layer = ctx.layer(layer_name)
@@ -36,7 +36,7 @@ def run_mixer(inputs: list[Optional[torch.Tensor]], output: torch.Tensor, layer_
             f"{type(md).__name__}; pass the dict kv.build_metadata returns to vattn.set_forward_context (one "
             "attention metadata object cannot serve a model with mixer layers)."
         )
-    state = layer.kv_cache[ctx.virtual_engine]
+    state = layer.kv_cache[0]
     if not isinstance(state, tuple):
         raise RuntimeError(
             f"{layer_name}: no state is bound to this mixer layer; allocate it with vattn.allocate_kv_cache(cfg, ...) "

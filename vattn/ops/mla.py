@@ -90,7 +90,7 @@ def unified_mla_attention_with_output(
         ctx.check_dummy_run(layer_name)
         output.zero_()
         return
-    kv_cache = layer.kv_cache[ctx.virtual_engine]
+    kv_cache = layer.kv_cache[0]
     check_call(layer, q, kv_c_normed, k_pe, kv_cache, md, ctx.debug_checks)
     layer.impl.forward(layer, q, kv_c_normed, k_pe, kv_cache, md, output=output, output_scale=output_scale)
 

@@ -6,11 +6,12 @@ from typing import ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionBackend, AttentionCGSupport
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionBackend
 from vattn.backends.flash_attn import interface as fa_interface
 from vattn.backends.flash_attn.impl import SUPPORTED_ATTN_TYPES, FlashAttentionImpl
 from vattn.backends.flash_attn.metadata import FlashAttentionMetadata, FlashAttentionMetadataBuilder
-from vattn.backends.utils import check_kv_cache_shape_args, paged_kv_stride_order
+from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
 
 __all__ = ["FlashAttentionBackend"]
 

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionImpl
 from vattn.backends.flash_attn import interface as fa_interface
 from vattn.backends.flash_attn.interface import FlashAttnInterface
 from vattn.backends.flash_attn.metadata import FlashAttentionMetadata
@@ -22,7 +23,7 @@ from vattn.backends.utils import layer_scales
 from vattn.ops.kv_store import fp8_dtype_for, store_kv
 
 if TYPE_CHECKING:
-    from vattn.layer import Attention
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["SUPPORTED_ATTN_TYPES", "FlashAttentionImpl"]
 

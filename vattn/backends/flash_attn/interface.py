@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from vattn.backends.abstract import AttentionCGSupport, is_fp8_kv_cache
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.metadata import is_fp8_kv_cache
 
 __all__ = ["FlashAttnInterface", "cg_support", "get_flash_attn_interface", "interface_reasons"]
 

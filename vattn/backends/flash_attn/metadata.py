@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.metadata import AttentionMetadata
 from vattn.backends.flash_attn import interface as fa_interface
-from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
-from vattn.config import CUDAGraphMode
+from vattn.core.interface import AttentionMetadataBuilder
+from vattn.core.metadata import AttentionSpec, CommonAttentionMetadata
+from vattn.core.config import CUDAGraphMode
 
 if TYPE_CHECKING:
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
 
 __all__ = ["FlashAttentionMetadata", "FlashAttentionMetadataBuilder"]
 

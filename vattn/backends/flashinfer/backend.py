@@ -7,11 +7,11 @@ from typing import ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionBackend
-from vattn.backends.checks import e4m3_cache_reasons
+from vattn.core.interface import AttentionBackend
+from vattn.core.checks import e4m3_cache_reasons
 from vattn.backends.flashinfer.impl import SUPPORTED_ATTN_TYPES, FlashInferImpl
 from vattn.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder
-from vattn.backends.utils import check_kv_cache_shape_args, paged_kv_stride_order
+from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
 
 __all__ = ["FlashInferBackend"]
 

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionImpl
 from vattn.backends.flashinfer.metadata import FlashInferMetadata
 from vattn.backends.utils import layer_scales
 from vattn.ops.kv_store import fp8_dtype_for, store_kv
 
 if TYPE_CHECKING:
-    from vattn.layer import Attention
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["SUPPORTED_ATTN_TYPES", "FlashInferImpl"]
 

@@ -17,21 +17,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from vattn import envs
-from vattn.backends.abstract import AttentionCGSupport, AttentionImpl, AttentionMetadata, is_fp8_kv_cache
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionImpl
+from vattn.core.metadata import AttentionMetadata, is_fp8_kv_cache
 from vattn.backends.flashinfer.paging import fenced_plan, gather_page_indices, paged_kv_layout, workspace
-from vattn.backends.utils import (
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    CommonAttentionMetadata,
-    get_kv_cache_layout,
-    get_per_layer_parameters,
-    infer_global_hyperparameters,
-    split_decodes_and_prefills,
-)
-from vattn.config import CUDAGraphMode
+from vattn.backends.utils import get_per_layer_parameters, infer_global_hyperparameters, split_decodes_and_prefills
+from vattn.core.interface import AttentionMetadataBuilder
+from vattn.core.layout import get_kv_cache_layout
+from vattn.core.metadata import AttentionSpec, CommonAttentionMetadata
+from vattn.core.config import CUDAGraphMode
 
 if TYPE_CHECKING:
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
 
 __all__ = ["FlashInferMetadata", "FlashInferMetadataBuilder"]
 

@@ -6,10 +6,11 @@ from typing import ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionBackend, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend
 from vattn.backends.flex_attention.impl import SUPPORTED_KV_CACHE_DTYPES, FlexAttentionImpl
 from vattn.backends.flex_attention.metadata import FlexAttentionMetadata, FlexAttentionMetadataBuilder
-from vattn.backends.utils import check_kv_cache_shape_args
+from vattn.core.layout import check_kv_cache_shape_args
 
 __all__ = ["FlexAttentionBackend"]
 

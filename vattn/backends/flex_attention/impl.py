@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionImpl
 from vattn.backends.flex_attention.compiled import default_kernel_options, run_flex
 from vattn.backends.flex_attention.metadata import FlexAttentionMetadata
 from vattn.backends.flex_attention.mods import MaskMod, ScoreMod, alibi, soft_cap
@@ -21,7 +22,7 @@ from vattn.backends.flex_attention.paging import CAUSAL, FULL, FlexCall, MaskSpe
 from vattn.ops.kv_store import store_kv
 
 if TYPE_CHECKING:
-    from vattn.layer import Attention
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["FlexAttentionImpl", "SUPPORTED_KV_CACHE_DTYPES"]
 

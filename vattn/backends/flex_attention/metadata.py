@@ -21,13 +21,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from vattn.backends.abstract import (
-    AttentionCGSupport,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    CommonAttentionMetadata,
-)
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionMetadataBuilder
+from vattn.core.metadata import AttentionMetadata, AttentionSpec, CommonAttentionMetadata
 from vattn.backends.flex_attention.block_mask import build_block_mask
 from vattn.backends.flex_attention.compiled import bucket
 from vattn.backends.flex_attention.paging import GATHER_BLOCK, FlexCall, MaskSpec
@@ -36,7 +32,7 @@ from vattn.backends.flex_attention.mods import check_mod_tensors
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
 
 __all__ = ["FlexAttentionMetadata", "FlexAttentionMetadataBuilder"]
 

@@ -6,7 +6,8 @@ recurrent kernel."""
 
 from __future__ import annotations
 
-from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
+from vattn.backends.mamba.common import CommonMambaBackend, MambaImpl, kernels_for
+from vattn.core.mamba import MambaMetadata
 from vattn.backends.mamba.fla_ops import chunked_prefill, fla_chunk_fn
 
 __all__ = ["GDNAttentionBackend", "GDNImpl"]
@@ -42,7 +43,7 @@ class GDNImpl(MambaImpl):
         return bool((qsl[1:] > qsl[:-1]).all())
 
 
-class GDNAttentionBackend(MambaBackend):
+class GDNAttentionBackend(CommonMambaBackend):
     name = "GDN_ATTN"
     mamba_type = "gdn_attention"
     impl_cls = GDNImpl

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
+from vattn.backends.mamba.common import CommonMambaBackend, MambaImpl, kernels_for
+from vattn.core.mamba import MambaMetadata
 
 __all__ = ["LinearAttentionBackend", "LinearAttentionImpl"]
 
@@ -17,7 +18,7 @@ class LinearAttentionImpl(MambaImpl):
         kernels_for(q.device).linear_attention(q, k, v, slope, state[0], *self.common_args(md), output)
 
 
-class LinearAttentionBackend(MambaBackend):
+class LinearAttentionBackend(CommonMambaBackend):
     name = "LINEAR"
     mamba_type = "linear_attention"
     impl_cls = LinearAttentionImpl

@@ -4,7 +4,8 @@ the model has projected it to dt, B and C."""
 
 from __future__ import annotations
 
-from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
+from vattn.backends.mamba.common import CommonMambaBackend, MambaImpl, kernels_for
+from vattn.core.mamba import MambaMetadata
 
 __all__ = ["Mamba1AttentionBackend", "Mamba1Impl"]
 
@@ -27,7 +28,7 @@ class Mamba1Impl(MambaImpl):
                                              *batch, output)
 
 
-class Mamba1AttentionBackend(MambaBackend):
+class Mamba1AttentionBackend(CommonMambaBackend):
     name = "MAMBA1"
     mamba_type = "mamba1"
     impl_cls = Mamba1Impl

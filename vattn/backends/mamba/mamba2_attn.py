@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
+from vattn.backends.mamba.common import CommonMambaBackend, MambaImpl, kernels_for
+from vattn.core.mamba import MambaMetadata
 
 __all__ = ["Mamba2AttentionBackend", "Mamba2Impl"]
 
@@ -22,7 +23,7 @@ class Mamba2Impl(MambaImpl):
                          layer.dt_limit, state[1], *self.common_args(md), output)
 
 
-class Mamba2AttentionBackend(MambaBackend):
+class Mamba2AttentionBackend(CommonMambaBackend):
     name = "MAMBA2"
     mamba_type = "mamba2"
     impl_cls = Mamba2Impl

@@ -3,7 +3,8 @@ state of the last K-1 inputs (LFM2's short convolutions)."""
 
 from __future__ import annotations
 
-from vattn.backends.mamba.common import MambaBackend, MambaImpl, MambaMetadata, kernels_for
+from vattn.backends.mamba.common import CommonMambaBackend, MambaImpl, kernels_for
+from vattn.core.mamba import MambaMetadata
 
 __all__ = ["ShortConvAttentionBackend", "ShortConvImpl"]
 
@@ -18,7 +19,7 @@ class ShortConvImpl(MambaImpl):
                                             layer.activation, output)
 
 
-class ShortConvAttentionBackend(MambaBackend):
+class ShortConvAttentionBackend(CommonMambaBackend):
     name = "SHORT_CONV"
     mamba_type = "short_conv"
     impl_cls = ShortConvImpl

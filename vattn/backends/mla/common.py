@@ -19,23 +19,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from vattn.backends.abstract import (
-    AttentionBackend,
-    AttentionCGSupport,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    AttentionSpec,
-    CommonAttentionMetadata,
-)
-from vattn.backends.decode_split import split_decodes_and_prefills
-from vattn.backends.utils import check_kv_cache_shape_args
-from vattn.metadata import to_device
+from vattn.backends.utils import split_decodes_and_prefills
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionBackend, AttentionMetadataBuilder
+from vattn.core.layout import check_kv_cache_shape_args
+from vattn.core.metadata import AttentionMetadata, AttentionSpec, CommonAttentionMetadata, MLAAttentionSpec, to_device
 
 if TYPE_CHECKING:
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
 
 __all__ = [
-    "MLAAttentionSpec",
     "MLACommonBackend",
     "MLACommonMetadata",
     "MLACommonMetadataBuilder",
@@ -46,16 +39,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vattn.backends.mla")
-
-
-@dataclass(frozen=True)
-class MLAAttentionSpec(AttentionSpec):
-    """An MLA layer's cache spec (``vattn.MLAAttention.get_kv_cache_spec``): one latent row per token,
-    ``num_kv_heads == 1``, ``head_size == kv_lora_rank + qk_rope_head_dim`` (the compressed KV, then
-    the RoPE key)."""
-
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
 
 
 class MLACommonBackend(AttentionBackend):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from vattn.backends.abstract import AttentionImpl
+from vattn.core.interface import AttentionImpl
 from vattn.backends.mla.unservable import UnservableMLABackend, unservable_impl
 
 __all__ = ["CutlassMLABackend"]

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vattn.backends.abstract import CommonAttentionMetadata
+from vattn.core.metadata import CommonAttentionMetadata
 from vattn.backends.flashinfer.paging import fenced_plan, gather_page_indices, paged_kv_layout, workspace
 from vattn.backends.mla.common import (
     MLACommonBackend,

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionImpl
 from vattn.backends.mla.common import MLACommonMetadata, MLADecodeMetadata, MLAPrefillMetadata, merge_attn_states
 from vattn.ops.mla import store_latent
 

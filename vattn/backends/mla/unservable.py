@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, ClassVar
 
-from vattn.backends.abstract import AttentionImpl
+from vattn.core.interface import AttentionImpl
 from vattn.backends.mla.common import MLACommonBackend, MLACommonMetadataBuilder
-from vattn.backends.registry import vattn_version
+from vattn.core.registry import vattn_version
 
 __all__ = ["UnservableMLABackend"]
 

@@ -6,11 +6,12 @@ from typing import ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionBackend, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionBackend
 from vattn.backends.torch_sdpa.impl import TorchSDPAImpl
 from vattn.backends.torch_sdpa.metadata import TorchSDPAMetadata, TorchSDPAMetadataBuilder
-from vattn.backends.utils import check_kv_cache_shape_args, paged_kv_stride_order
-from vattn.config import CACHE_DTYPES
+from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
+from vattn.core.config import CACHE_DTYPES
 
 __all__ = ["TorchSDPABackend"]
 

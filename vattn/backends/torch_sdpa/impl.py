@@ -7,14 +7,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionImpl
 from vattn.backends.torch_sdpa.metadata import TorchSDPAMetadata
 from vattn.backends.utils import layer_scales
-from vattn.config import CACHE_DTYPES
+from vattn.core.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv, store_rows
 
 if TYPE_CHECKING:
-    from vattn.layer import Attention
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["TorchSDPAImpl"]
 

@@ -7,12 +7,9 @@ from typing import Callable, ClassVar
 
 import torch
 
-from vattn.backends.abstract import (
-    AttentionCGSupport,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.interface import AttentionMetadataBuilder
+from vattn.core.metadata import AttentionMetadata, CommonAttentionMetadata
 from vattn.ops.kv_store import valid_slots
 
 __all__ = ["TorchSDPAMetadata", "TorchSDPAMetadataBuilder"]

@@ -18,7 +18,7 @@ from vattn.backends.flex_attention.paging import TREE
 from vattn.backends.tree_attn.metadata import TreeAttentionMetadata, TreeAttentionMetadataBuilder
 
 if TYPE_CHECKING:
-    from vattn.layer import Attention
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["TreeAttentionBackend", "TreeAttentionImpl"]
 

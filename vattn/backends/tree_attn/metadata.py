@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vattn.backends.abstract import CommonAttentionMetadata
+from vattn.core.metadata import CommonAttentionMetadata
 from vattn.backends.draft_tree import ancestors, checked_parents, request_parents
 from vattn.backends.flex_attention.metadata import FlexAttentionMetadata, FlexAttentionMetadataBuilder
 from vattn.backends.flex_attention.paging import FlexCall

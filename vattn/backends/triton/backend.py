@@ -25,12 +25,12 @@ from typing import ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionBackend
-from vattn.backends.checks import e4m3_cache_reasons, triton_availability
+from vattn.core.interface import AttentionBackend
+from vattn.core.checks import e4m3_cache_reasons, triton_availability
 from vattn.backends.triton.impl import SUPPORTED_ATTN_TYPES, TritonAttentionImpl
 from vattn.backends.triton.metadata import TritonAttentionMetadata, TritonAttentionMetadataBuilder
-from vattn.backends.utils import check_kv_cache_shape_args, paged_kv_stride_order
-from vattn.config import CACHE_DTYPES
+from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
+from vattn.core.config import CACHE_DTYPES
 
 __all__ = ["TritonAttentionBackend"]
 

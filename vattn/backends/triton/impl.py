@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vattn import envs
-from vattn.backends.abstract import AttentionImpl, AttentionType
+from vattn.core.enums import AttentionType
+from vattn.core.interface import AttentionImpl
 from vattn.backends.triton.config import head_pad
 from vattn.backends.triton.metadata import TritonAttentionMetadata
 from vattn.backends.utils import layer_scales
-from vattn.config import CACHE_DTYPES
+from vattn.core.config import CACHE_DTYPES
 from vattn.ops.kv_store import store_kv
 
 if TYPE_CHECKING:
-    from vattn.layer import Attention
+    from vattn.core.interface import AttentionLayerBase as Attention
 
 __all__ = ["SUPPORTED_ATTN_TYPES", "TritonAttentionImpl"]
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from vattn.backends.abstract import AttentionCGSupport, AttentionMetadata
+from vattn.core.enums import AttentionCGSupport
+from vattn.core.metadata import AttentionMetadata
 from vattn.backends.draft_tree import checked_parents, token_tree_rows
 from vattn.backends.triton.config import (
     UnifiedAttentionConfig,
@@ -18,10 +19,11 @@ from vattn.backends.triton.config import (
     select_unified_attention_config,
     split_scratch_numel,
 )
-from vattn.backends.utils import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
+from vattn.core.interface import AttentionMetadataBuilder
+from vattn.core.metadata import AttentionSpec, CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from vattn.config import VattnConfig
+    from vattn.core.config import VattnConfig
 
 __all__ = ["FUSED_METADATA_COPY", "TritonAttentionMetadata", "TritonAttentionMetadataBuilder"]
 

@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from vattn.backends.abstract import CommonAttentionMetadata
-from vattn.backends.checks import e4m3_cache_reasons, triton_availability
+from vattn.core.metadata import CommonAttentionMetadata
+from vattn.core.checks import e4m3_cache_reasons, triton_availability
 from vattn.backends.mla.common import MLACommonBackend, MLACommonMetadataBuilder, MLADecodeMetadata
 from vattn.backends.mla.impl import MLACommonImpl
 from vattn.backends.mla.triton_mla.config import (
@@ -35,7 +35,7 @@ from vattn.backends.mla.triton_mla.config import (
     split_scratch_numel,
 )
 from vattn.backends.triton.config import device_num_sms
-from vattn.config import CACHE_DTYPES
+from vattn.core.config import CACHE_DTYPES
 
 __all__ = ["TritonMLABackend", "TritonMLAImpl", "TritonMLAMetadataBuilder", "TritonMLADecodePlan"]
 

@@ -1,5 +1,5 @@
 """The enumerations of the backend interface: ``AttentionType`` and ``AttentionCGSupport``
-(re-exported by ``vattn.backends.abstract``)."""
+(re-exported by ``vattn.core.interface``)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from vattn._version import __version__
 
 if TYPE_CHECKING:
-    from vattn.backends.abstract import AttentionBackend
+    from vattn.core.interface import AttentionBackend
 
 __all__ = [
     "AttentionBackendEnum",
@@ -40,7 +40,7 @@ __all__ = [
     "vattn_version",
 ]
 
-logger = logging.getLogger("vattn.backends.registry")
+logger = logging.getLogger("vattn.core.registry")
 
 _T = TypeVar("_T", bound=type)
 

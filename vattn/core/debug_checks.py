@@ -9,7 +9,7 @@ mirrors; ``query_start_loc`` starts at 0 and never decreases; ``seq_lens >= quer
 batches); the block table covers every sequence with ids in ``[0, num_blocks)``; every slot is
 -1 or inside the cache, written once, where the block table puts its token; no block appears
 twice in a request or is written by one request while another uses it
-(``vattn.backends.batch_checks.check_batch``). A violation raises ``ValueError`` naming the field.
+(``vattn.core.batch_checks.check_batch``). A violation raises ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vattn.backends.batch_checks import check_batch, fail
+from vattn.core.batch_checks import check_batch, fail
 
 __all__ = ["check_backend_metadata", "check_common_on_device", "is_capturing"]
 

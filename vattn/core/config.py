@@ -10,10 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
-
-if TYPE_CHECKING:
-    from vattn.layer import Attention
+from typing import Any, Callable, Iterator
 
 __all__ = [
     "CacheConfig",
@@ -226,9 +223,9 @@ class VattnConfig:
     def compilation_config(self) -> CompilationConfig:
         return self.compilation
 
-    def attention_layers(self) -> dict[str, "Attention"]:
-        """The registered attention layers by name, in construction order (mixer layers, which
-        register beside them, are left out)."""
+    def attention_layers(self) -> dict[str, Any]:
+        """The registered attention layers (``vattn.Attention``, ``vattn.MLAAttention``) by name, in
+        construction order (mixer layers, which register beside them, are left out)."""
         # Mixers (vattn.MambaBase) declare a mamba_type; read as an attribute, config imports no layer module.
         return {n: x for n, x in self.compilation.static_forward_context.items() if not getattr(x, "mamba_type", "")}
 

@@ -10,7 +10,7 @@ per cache geometry (memoized): ``PagedKVCache.build_metadata`` calls it for ever
 attention op for the cache bound to each layer (then it is one tuple comparison).
 
 Contents of device tensors are checked only with ``VATTN_DEBUG_CHECKS=1``
-(``vattn.backends.debug_checks``).
+(``vattn.core.debug_checks``).
 """
 
 from __future__ import annotations
