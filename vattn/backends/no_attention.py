@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from vattn.core.enums import AttentionCGSupport
+from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 from vattn.core.metadata import AttentionMetadata, CommonAttentionMetadata
 
@@ -40,25 +41,15 @@ class NoAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
 class NoAttentionBackend(AttentionBackend):
     """No KV cache, no kernel: what the selector answers for a model without attention layers."""
 
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    runs_on_cpu: ClassVar[bool] = True
-    installable: ClassVar[bool] = False  # never a suggestion for an attention layer
-
-    @staticmethod
-    def get_name() -> str:
-        return "NO_ATTENTION"
-
-    @staticmethod
-    def get_impl_cls() -> type[NoAttentionImpl]:
-        return NoAttentionImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[AttentionMetadata]:
-        return AttentionMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[NoAttentionMetadataBuilder]:
-        return NoAttentionMetadataBuilder
+    name = "NO_ATTENTION"
+    impl_cls = NoAttentionImpl
+    metadata_cls = AttentionMetadata
+    builder_cls = NoAttentionMetadataBuilder
+    capabilities = Capabilities(
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        runs_on_cpu=True,
+        installable=False,  # never a suggestion for an attention layer
+    )
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,

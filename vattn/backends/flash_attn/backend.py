@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 
 from vattn.core.enums import AttentionCGSupport
+from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend
 from vattn.backends.flash_attn import interface as fa_interface
 from vattn.backends.flash_attn.impl import SUPPORTED_ATTN_TYPES, FlashAttentionImpl
 from vattn.backends.flash_attn.metadata import FlashAttentionMetadata, FlashAttentionMetadataBuilder
-from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
 
 __all__ = ["FlashAttentionBackend"]
 
@@ -19,56 +18,32 @@ __all__ = ["FlashAttentionBackend"]
 class FlashAttentionBackend(AttentionBackend):
     """FlashAttention (flash-attn-4, FA3 or FA2, whichever is installed) over a paged KV cache."""
 
-    accept_output_buffer: ClassVar[bool] = True
-    supports_quant_query_input: ClassVar[bool] = True  # fp8 KV caches attend with fp8 queries
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
-        "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
+    name = "FLASH_ATTN"
+    impl_cls = FlashAttentionImpl
+    metadata_cls = FlashAttentionMetadata
+    builder_cls = FlashAttentionMetadataBuilder
+    capabilities = Capabilities(
+        accept_output_buffer=True,
+        quant_query_input=True,  # fp8 KV caches attend with fp8 queries
+        kv_cache_dtypes=(
+            "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
+        ),
+        sink=True,
+        sliding_window=True,
+        logits_soft_cap=True,
+        alibi=True,
+        attn_types=SUPPORTED_ATTN_TYPES,
+        min_compute_capability=(8, 0),
+        notes={
+            "alibi": "FA2",
+            "sinks": "flash-attn-4",
+            "fp8_kv": "FA3 on SM90, flash-attn-4 on SM100; bf16 models",
+            "min_compute_capability": "FA3: 9.0, flash-attn-4: 9.0/10.x",
+            "block_sizes": "FA2: multiples of 256",
+            "head_sizes": "flash-attn-4 on SM100: <= 128 or 256",
+            "cuda_graphs": "FA2: uniform batches",
+        },
     )
-    supports_sink: ClassVar[bool] = True
-    supports_sliding_window: ClassVar[bool] = True
-    supports_logits_soft_cap: ClassVar[bool] = True
-    supports_alibi: ClassVar[bool] = True
-    supported_attn_types: ClassVar[tuple[str, ...]] = SUPPORTED_ATTN_TYPES
-    runs_on_cpu: ClassVar[bool] = False
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
-    feature_notes: ClassVar[dict[str, str]] = {
-        "alibi": "FA2",
-        "sinks": "flash-attn-4",
-        "fp8_kv": "FA3 on SM90, flash-attn-4 on SM100; bf16 models",
-        "min_compute_capability": "FA3: 9.0, flash-attn-4: 9.0/10.x",
-        "block_sizes": "FA2: multiples of 256",
-        "head_sizes": "flash-attn-4 on SM100: <= 128 or 256",
-        "cuda_graphs": "FA2: uniform batches",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASH_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlashAttentionImpl]:
-        return FlashAttentionImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[FlashAttentionMetadata]:
-        return FlashAttentionMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
-        return FlashAttentionMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
-    ) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        """Identity for NHD; ``(0, 1, 3, 2, 4)`` for HND."""
-        return paged_kv_stride_order()
 
     @classmethod
     def get_supported_head_sizes(cls) -> tuple[int, ...]:

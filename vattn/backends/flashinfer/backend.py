@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
 
 import torch
 
+from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend
 from vattn.core.checks import e4m3_cache_reasons
 from vattn.backends.flashinfer.impl import SUPPORTED_ATTN_TYPES, FlashInferImpl
 from vattn.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder
-from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
+from vattn.core.layout import check_kv_cache_shape_args
 
 __all__ = ["FlashInferBackend"]
 
@@ -30,40 +30,28 @@ def _availability() -> tuple[bool, str]:
 class FlashInferBackend(AttentionBackend):
     """FlashInfer paged attention: fp16/bf16, head sizes 64/128/256, fp8 KV caches, NHD/HND."""
 
-    accept_output_buffer: ClassVar[bool] = True
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
-        "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
+    name = "FLASHINFER"
+    impl_cls = FlashInferImpl
+    metadata_cls = FlashInferMetadata
+    builder_cls = FlashInferMetadataBuilder
+    capabilities = Capabilities(
+        accept_output_buffer=True,
+        dtypes=(torch.float16, torch.bfloat16),
+        kv_cache_dtypes=(
+            "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
+        ),
+        sliding_window=True,
+        logits_soft_cap=True,
+        attn_types=SUPPORTED_ATTN_TYPES,
+        min_compute_capability=(7, 5),
+        notes={
+            "sliding_window": "one per KV-cache group",
+            "logits_soft_cap": "one per KV-cache group",
+            "dtypes": "bf16: 8.0+",
+            "fp8_kv": "e4m3: 8.9+",
+        },
+        head_sizes=(64, 128, 256),
     )
-    supports_sink: ClassVar[bool] = False
-    supports_sliding_window: ClassVar[bool] = True
-    supports_logits_soft_cap: ClassVar[bool] = True
-    supports_alibi: ClassVar[bool] = False
-    supported_attn_types: ClassVar[tuple[str, ...]] = SUPPORTED_ATTN_TYPES
-    runs_on_cpu: ClassVar[bool] = False
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (7, 5)
-    feature_notes: ClassVar[dict[str, str]] = {
-        "sliding_window": "one per KV-cache group",
-        "logits_soft_cap": "one per KV-cache group",
-        "dtypes": "bf16: 8.0+",
-        "fp8_kv": "e4m3: 8.9+",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlashInferImpl]:
-        return FlashInferImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[FlashInferMetadata]:
-        return FlashInferMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
-        return FlashInferMetadataBuilder
 
     @staticmethod
     def get_kv_cache_shape(
@@ -72,15 +60,6 @@ class FlashInferBackend(AttentionBackend):
         """``(num_blocks, 2, block_size, num_kv_heads, head_size)``: FlashInfer's paged layout."""
         check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        """Identity for NHD; ``(0, 1, 3, 2, 4)`` for HND (heads before tokens in memory)."""
-        return paged_kv_stride_order()
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return (64, 128, 256)
 
     @classmethod
     def get_supported_block_sizes(cls) -> tuple[int, ...]:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 
 from vattn.core.enums import AttentionType
+from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend
 from vattn.backends.flex_attention.impl import SUPPORTED_KV_CACHE_DTYPES, FlexAttentionImpl
 from vattn.backends.flex_attention.metadata import FlexAttentionMetadata, FlexAttentionMetadataBuilder
-from vattn.core.layout import check_kv_cache_shape_args
 
 __all__ = ["FlexAttentionBackend"]
 
@@ -21,58 +20,37 @@ CUDA_BLOCK_MULTIPLE = 16
 class FlexAttentionBackend(AttentionBackend):
     """PyTorch FlexAttention over the paged cache, with user ``mask_mod`` / ``score_mod``; CPU and CUDA."""
 
-    accept_output_buffer: ClassVar[bool] = True
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = SUPPORTED_KV_CACHE_DTYPES
-    supports_sink: ClassVar[bool] = True
-    supports_sliding_window: ClassVar[bool] = True
-    supports_logits_soft_cap: ClassVar[bool] = True
-    supports_alibi: ClassVar[bool] = True
-    supports_mask_mod: ClassVar[bool] = True
-    supports_score_mod: ClassVar[bool] = True
-    supported_attn_types: ClassVar[tuple[str, ...]] = (AttentionType.DECODER,)
-    runs_on_cpu: ClassVar[bool] = True
-    min_compute_capability: ClassVar[tuple[int, int] | None] = None
-    feature_notes: ClassVar[dict[str, str]] = {
-        "head_sizes": "CUDA: 16 and up",
-        "sinks": "CPU: the reference path (slow)",
-        "block_sizes": "CUDA: multiples of 16",
-        "cuda_graphs": "other steps piecewise",
-        "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for layers without mods",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLEX_ATTENTION"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlexAttentionImpl]:
-        return FlexAttentionImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[FlexAttentionMetadata]:
-        return FlexAttentionMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[FlexAttentionMetadataBuilder]:
-        return FlexAttentionMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    name = "FLEX_ATTENTION"
+    impl_cls = FlexAttentionImpl
+    metadata_cls = FlexAttentionMetadata
+    builder_cls = FlexAttentionMetadataBuilder
+    capabilities = Capabilities(
+        accept_output_buffer=True,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        kv_cache_dtypes=SUPPORTED_KV_CACHE_DTYPES,
+        sink=True,
+        sliding_window=True,
+        logits_soft_cap=True,
+        alibi=True,
+        mask_mod=True,
+        score_mod=True,
+        attn_types=(AttentionType.DECODER,),
+        runs_on_cpu=True,
+        notes={
+            "head_sizes": "CUDA: 16 and up",
+            "sinks": "CPU: the reference path (slow)",
+            "block_sizes": "CUDA: multiples of 16",
+            "cuda_graphs": "other steps piecewise",
+            "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for layers without mods",
+        },
+        head_sizes=tuple(range(8, 257, 8)),
+    )
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """Identity (NHD) whatever ``VATTN_KV_CACHE_LAYOUT`` says: FlexAttention reads the cache as
         one key sequence, a view only of the NHD layout."""
         return (0, 1, 2, 3, 4)
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return tuple(range(8, 257, 8))
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

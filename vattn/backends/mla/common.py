@@ -21,6 +21,7 @@ import torch
 
 from vattn.backends.utils import split_decodes_and_prefills
 from vattn.core.enums import AttentionCGSupport
+from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend, AttentionMetadataBuilder
 from vattn.core.layout import check_kv_cache_shape_args
 from vattn.core.metadata import AttentionMetadata, AttentionSpec, CommonAttentionMetadata, MLAAttentionSpec, to_device
@@ -45,10 +46,12 @@ class MLACommonBackend(AttentionBackend):
     """Base of the MLA backends: a latent cache ``(num_blocks, block_size, kv_lora_rank +
     qk_rope_head_dim)``, an output buffer, MLA only. Subclasses name the impl and builder."""
 
-    accept_output_buffer: ClassVar[bool] = True
-    supports_mla: ClassVar[bool] = True
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "bfloat16", "float16")
+    capabilities = Capabilities(
+        accept_output_buffer=True,
+        mla=True,
+        dtypes=(torch.float16, torch.bfloat16),
+        kv_cache_dtypes=("auto", "bfloat16", "float16"),
+    )
 
     @classmethod
     def mla_dims_reasons(cls, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
@@ -56,10 +59,6 @@ class MLACommonBackend(AttentionBackend):
         """Every reason this backend's kernels cannot serve an MLA layer of these sizes (empty:
         they can). The selector asks before choosing; the impl raises with the same reasons."""
         return []
-
-    @staticmethod
-    def get_metadata_cls() -> type["MLACommonMetadata"]:
-        return MLACommonMetadata
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -75,6 +74,10 @@ class MLACommonBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         return (0, 1, 2)
+
+    @classmethod
+    def get_metadata_cls(cls) -> type[AttentionMetadata]:
+        return MLACommonMetadata  # defined below
 
 
 @dataclass

@@ -14,11 +14,13 @@ log-sum-exp is a natural log (+inf for a row without keys, which the merge treat
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -137,27 +139,17 @@ class FlashAttnMLAImpl(MLACommonImpl):
 class FlashAttnMLABackend(MLACommonBackend):
     """FlashAttention MLA: FA3 on sm_90 (decode with ``qv``, prefill); fp16/bf16; L 512 + P 64."""
 
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (9, 0)
-    feature_notes: ClassVar[dict[str, str]] = {
-        "gpus": "FA3 only",
-        "head_sizes": "L 512 + P 64",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASH_ATTN_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlashAttnMLAImpl]:
-        return FlashAttnMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[MLACommonMetadataBuilder]:
-        return MLACommonMetadataBuilder
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return (_LORA + _ROPE,)
+    name = "FLASH_ATTN_MLA"
+    impl_cls = FlashAttnMLAImpl
+    builder_cls = MLACommonMetadataBuilder
+    capabilities = dataclasses.replace(MLACommonBackend.capabilities,
+        min_compute_capability=(9, 0),
+        notes={
+            "gpus": "FA3 only",
+            "head_sizes": "L 512 + P 64",
+        },
+        head_sizes=(_LORA + _ROPE,),
+    )
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -16,9 +16,11 @@ Kernel sizes: FlashInfer's MLA kernels take ``kv_lora_rank`` 512 and ``qk_rope_h
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -176,25 +178,15 @@ class FlashInferMLAImpl(MLACommonImpl):
 class FlashInferMLABackend(MLACommonBackend):
     """FlashInfer's MLA kernels: fp16/bf16, ``kv_lora_rank`` 512 / ``qk_rope_head_dim`` 64."""
 
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
-    feature_notes: ClassVar[dict[str, str]] = {
-        "head_sizes": "L 512 + P 64; prefill q/k + v head sizes 192 + 128, or equal 64, 128, 256"}
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlashInferMLAImpl]:
-        return FlashInferMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[FlashInferMLAMetadataBuilder]:
-        return FlashInferMLAMetadataBuilder
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return (_LORA + _ROPE,)
+    name = "FLASHINFER_MLA"
+    impl_cls = FlashInferMLAImpl
+    builder_cls = FlashInferMLAMetadataBuilder
+    capabilities = dataclasses.replace(MLACommonBackend.capabilities,
+        min_compute_capability=(8, 0),
+        notes={
+            "head_sizes": "L 512 + P 64; prefill q/k + v head sizes 192 + 128, or equal 64, 128, 256"},
+        head_sizes=(_LORA + _ROPE,),
+    )
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import ClassVar
 
 from vattn.core.interface import AttentionImpl
@@ -13,16 +15,15 @@ __all__ = ["FlashMLABackend"]
 class FlashMLABackend(UnservableMLABackend):
     """FlashMLA (``flash_mla_with_kvcache``): not runnable with this vattn; ``is_available`` says why."""
 
+    name = "FLASHMLA"
+    capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
+        min_compute_capability=(9, 0),
+        notes={"gpus": "flash_mla, not installable"},
+    )
     library: ClassVar[str] = "flash_mla"
     needs: ClassVar[str] = ("DeepSeek's FlashMLA kernels (the flash_mla package of github.com/deepseek-ai/FlashMLA, "
                             "sm_90 / sm_100, block size 64): it compiles its CUDA kernels from source when installed "
                             "(nvcc and a CUDA toolkit matching torch), so vattn cannot install it")
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (9, 0)
-    feature_notes: ClassVar[dict[str, str]] = {"gpus": "flash_mla, not installable"}
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHMLA"
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

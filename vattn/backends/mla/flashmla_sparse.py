@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import ClassVar
 
 from vattn.core.interface import AttentionImpl
@@ -14,7 +16,12 @@ class FlashMLASparseBackend(UnservableMLABackend):
     """FlashMLA's sparse MLA (``flash_mla_sparse_fwd`` over an indexer's top-k tokens): not runnable
     with this vattn; ``is_available`` says why."""
 
-    supports_sparse: ClassVar[bool] = True
+    name = "FLASHMLA_SPARSE"
+    capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
+        sparse=True,
+        min_compute_capability=(9, 0),
+        notes={"gpus": "flash_mla, not installable"},
+    )
     library: ClassVar[str] = "flash_mla"
     needs: ClassVar[str] = ("FlashMLA's sparse kernels (flash_mla_sparse_fwd and the sparse decode of the flash_mla "
                             "package, github.com/deepseek-ai/FlashMLA, sm_90 / sm_100) and the top-k indexer of "
@@ -22,12 +29,6 @@ class FlashMLASparseBackend(UnservableMLABackend):
                             "installed, so vattn cannot install it, and vattn.MLAAttention "
                             "runs no indexer")
     instead: ClassVar[str] = "run the model's dense MLA (use_sparse=False) on FLASHINFER_MLA or TRITON_MLA"
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (9, 0)
-    feature_notes: ClassVar[dict[str, str]] = {"gpus": "flash_mla, not installable"}
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHMLA_SPARSE"
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

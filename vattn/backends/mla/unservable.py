@@ -7,6 +7,8 @@ it looks the library up without importing it. Constructing their impl raises the
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 from typing import Any, ClassVar
 
@@ -30,7 +32,11 @@ class UnservableMLABackend(MLACommonBackend):
     """An MLA backend this vattn names but cannot run. Subclasses set ``library`` (the import
     name looked up), ``needs`` (what the kernels are and why vattn cannot install them)."""
 
-    installable: ClassVar[bool] = False
+    builder_cls = MLACommonMetadataBuilder
+    capabilities = dataclasses.replace(MLACommonBackend.capabilities,
+        installable=False,
+        head_sizes=(576,),
+    )
     library: ClassVar[str] = ""
     needs: ClassVar[str] = ""
     instead: ClassVar[str] = _INSTEAD
@@ -45,14 +51,6 @@ class UnservableMLABackend(MLACommonBackend):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return False, cls.reason()
-
-    @staticmethod
-    def get_builder_cls() -> type[MLACommonMetadataBuilder]:
-        return MLACommonMetadataBuilder
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return (576,)
 
 
 def unservable_impl(backend: type[UnservableMLABackend]) -> type[AttentionImpl]:

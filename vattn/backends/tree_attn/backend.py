@@ -7,6 +7,8 @@ each step's draft trees as the base mask, narrowed by the user's mods.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -68,18 +70,11 @@ class TreeAttentionImpl(FlexAttentionImpl):
 class TreeAttentionBackend(FlexAttentionBackend):
     """Tree-shaped speculative decoding: draft tokens attend to the context and their ancestors."""
 
-    supports_tree_parents = True
-    feature_notes = {**FlexAttentionBackend.feature_notes,
-                     "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for chains of draft tokens"}
-
-    @staticmethod
-    def get_name() -> str:
-        return "TREE_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[TreeAttentionImpl]:
-        return TreeAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[TreeAttentionMetadataBuilder]:
-        return TreeAttentionMetadataBuilder
+    name = "TREE_ATTN"
+    impl_cls = TreeAttentionImpl
+    builder_cls = TreeAttentionMetadataBuilder
+    capabilities = dataclasses.replace(FlexAttentionBackend.capabilities,
+        tree_parents=True,
+        notes={**FlexAttentionBackend.feature_notes,
+                         "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for chains of draft tokens"},
+    )

@@ -21,15 +21,14 @@ KV cache: logical ``(2, num_blocks, block_size, Hk, D)``; physical NHD or HND by
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 
+from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend
 from vattn.core.checks import e4m3_cache_reasons, triton_availability
 from vattn.backends.triton.impl import SUPPORTED_ATTN_TYPES, TritonAttentionImpl
 from vattn.backends.triton.metadata import TritonAttentionMetadata, TritonAttentionMetadataBuilder
-from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
 from vattn.core.config import CACHE_DTYPES
 
 __all__ = ["TritonAttentionBackend"]
@@ -38,61 +37,30 @@ __all__ = ["TritonAttentionBackend"]
 class TritonAttentionBackend(AttentionBackend):
     """vattn's Triton backend: portable wherever Triton runs (GPU, or CPU under TRITON_INTERPRET=1)."""
 
-    accept_output_buffer: ClassVar[bool] = True
-    supports_quant_query_input: ClassVar[bool] = True
-    supports_output_quant: ClassVar[bool] = True
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
-    supports_sink: ClassVar[bool] = True
-    supports_sliding_window: ClassVar[bool] = True
-    supports_logits_soft_cap: ClassVar[bool] = True
-    supports_alibi: ClassVar[bool] = True
-    supports_tree_parents: ClassVar[bool] = True  # the kernel's tree mask (``TritonAttentionMetadata.tree``)
-    supported_attn_types: ClassVar[tuple[str, ...]] = SUPPORTED_ATTN_TYPES
-    runs_on_cpu: ClassVar[bool] = False
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
-    feature_notes: ClassVar[dict[str, str]] = {
-        "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
-        "sliding_window": "not on cross-attention",
-        "fp8_kv": "e4m3: 8.9+",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "TRITON_ATTN"
-
-    @staticmethod
-    def get_impl_cls() -> type[TritonAttentionImpl]:
-        return TritonAttentionImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[TritonAttentionMetadata]:
-        return TritonAttentionMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
-        return TritonAttentionMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """``(2, num_blocks, block_size, num_kv_heads, head_size)``; ``[0]`` keys, ``[1]`` values."""
-        check_kv_cache_shape_args(num_blocks, block_size, num_kv_heads, head_size)
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        """Identity for NHD, ``(0, 1, 3, 2, 4)`` for HND (``get_kv_cache_layout()``)."""
-        return paged_kv_stride_order()
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return tuple(range(8, 257, 8))
+    name = "TRITON_ATTN"
+    impl_cls = TritonAttentionImpl
+    metadata_cls = TritonAttentionMetadata
+    builder_cls = TritonAttentionMetadataBuilder
+    capabilities = Capabilities(
+        accept_output_buffer=True,
+        quant_query_input=True,
+        output_quant=True,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        kv_cache_dtypes=CACHE_DTYPES,
+        sink=True,
+        sliding_window=True,
+        logits_soft_cap=True,
+        alibi=True,
+        tree_parents=True,  # the kernel's tree mask (``TritonAttentionMetadata.tree``)
+        attn_types=SUPPORTED_ATTN_TYPES,
+        min_compute_capability=(8, 0),
+        notes={
+            "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
+            "sliding_window": "not on cross-attention",
+            "fp8_kv": "e4m3: 8.9+",
+        },
+        head_sizes=tuple(range(8, 257, 8)),
+    )
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -15,8 +15,10 @@ The store of the new latent rows is ``vattn.ops.mla.store_latent`` (a Triton ker
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -108,26 +110,18 @@ class TritonMLAImpl(MLACommonImpl):
 class TritonMLABackend(MLACommonBackend):
     """vattn's Triton MLA: portable wherever Triton runs (GPU, or CPU under TRITON_INTERPRET=1)."""
 
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
-    runs_on_cpu: ClassVar[bool] = False
-    min_compute_capability: ClassVar[tuple[int, int] | None] = (8, 0)
-    feature_notes: ClassVar[dict[str, str]] = {
-        "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
-        "fp8_kv": "e4m3: 8.9+",
-    }
-
-    @staticmethod
-    def get_name() -> str:
-        return "TRITON_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[TritonMLAImpl]:
-        return TritonMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[TritonMLAMetadataBuilder]:
-        return TritonMLAMetadataBuilder
+    name = "TRITON_MLA"
+    impl_cls = TritonMLAImpl
+    builder_cls = TritonMLAMetadataBuilder
+    capabilities = dataclasses.replace(MLACommonBackend.capabilities,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        kv_cache_dtypes=CACHE_DTYPES,
+        min_compute_capability=(8, 0),
+        notes={
+            "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
+            "fp8_kv": "e4m3: 8.9+",
+        },
+    )
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
