@@ -40,7 +40,7 @@ def test_layer_scales_follow_the_module(vattn_config):
     layer object's by attribute."""
     from types import SimpleNamespace
 
-    from vattn.backends.utils import layer_scales
+    from vattn.ops.kv_store import layer_scales
 
     a = _layer()
     a.set_kv_scales(0.5, 0.25, q_scale=2.0)

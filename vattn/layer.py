@@ -212,7 +212,11 @@ class Attention(nn.Module, AttentionLayerBase):
             logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mods, **extra_impl_args)
         self.backend = backend_name_to_enum(self.attn_backend.get_name())
         self.use_direct_call = not current_platform.opaque_attention_op()
-        self.use_output = self.attn_backend.accept_output_buffer
+        caps = self.attn_backend.capabilities
+        self.use_output = caps.accept_output_buffer
+        # The op stores the step's K/V unless the impl does (read once here, not per step).
+        self.op_stores_kv = not caps.stores_kv and kv_sharing_target_layer_name is None
+        self.output_quant = caps.output_quant
 
         context = vattn_config.compilation.static_forward_context
         if prefix in context:

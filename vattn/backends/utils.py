@@ -26,24 +26,11 @@ __all__ = [
     "PerLayerParameters",
     "get_per_layer_parameters",
     "infer_global_hyperparameters",
-    "layer_scales",
     "make_local_attention_virtual_batches",
     "split_decodes_and_prefills",
 ]
 
 logger = logging.getLogger("vattn")
-
-
-def layer_scales(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's fp8 scale tensors ``(_k_scale, _v_scale, _q_scale)``, each a 0-d float32.
-
-    ``vattn.Attention`` keeps them as buffers, which attribute access finds only through
-    ``nn.Module.__getattr__``, a Python fallback; impls read them on every eager call, so they
-    come from the module's ``_buffers`` here (other layer objects: by attribute)."""
-    buffers = layer.__dict__.get("_buffers")
-    if buffers is not None and "_q_scale" in buffers:
-        return buffers["_k_scale"], buffers["_v_scale"], buffers["_q_scale"]
-    return layer._k_scale, layer._v_scale, layer._q_scale
 
 
 # ---- local (chunked) attention --------------------------------------------------------

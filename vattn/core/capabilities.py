@@ -37,7 +37,9 @@ class Capabilities:
     accept_output_buffer: bool = False
     """The op allocates the output and the impl writes into it (required for piecewise graphs)."""
     stores_kv: bool = True
-    """The impl writes the step's K/V into the cache itself (fused with its kernels)."""
+    """The impl writes the step's K/V into the cache itself (e.g. fused with its kernels; vLLM's
+    ``forward_includes_kv_cache_update``). False: the op writes them into the impl's
+    ``split_kv_cache`` views (``vattn.ops.attention.store_layer_kv``) before calling the impl."""
     quant_query_input: bool = False
     """Takes fp8 queries with an fp8 cache (the layer quantizes q)."""
     output_quant: bool = False

@@ -18,6 +18,7 @@ import torch
 
 from vattn.core.batch_checks import unchecked_block_limit
 from vattn.core.capabilities import LEGACY_NAMES, Capabilities
+from vattn.core.config import CACHE_DTYPES
 from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
 from vattn.core.metadata import M, AttentionMetadata, AttentionSpec, CommonAttentionMetadata
@@ -204,9 +205,19 @@ AttentionBackend.capabilities = Capabilities()  # mirrored under the seeds' name
 
 
 class AttentionImpl(ABC, Generic[M]):
-    """Runs one layer's attention: store new K/V in the paged cache, then attend.
+    """Runs one layer's attention: store new K/V in the paged cache (unless the op does, see
+    ``Capabilities.stores_kv``), then attend.
 
-    Constructed once per layer by ``vattn.Attention`` with the layer's hyperparameters."""
+    Constructed once per layer by ``vattn.Attention`` with the layer's hyperparameters. The base
+    constructor checks what every impl shares: ``attn_type`` among ``attn_types``, a known
+    ``kv_cache_dtype``, one ALiBi slope and one sink per query head, KV heads dividing the query
+    heads; errors name the impl by ``backend_name``. Subclasses add their own checks after it.
+    """
+
+    backend_name: ClassVar[str] = ""
+    """The registry name errors use (e.g. ``"TRITON_ATTN"``); empty: the class name."""
+    attn_types: ClassVar[tuple[str, ...]] = AttentionType.ALL
+    """The ``attn_type`` values the impl serves (the backend's ``Capabilities.attn_types``)."""
 
     num_heads: int
     head_size: int
@@ -223,11 +234,25 @@ class AttentionImpl(ABC, Generic[M]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
+        name = self.backend_name or type(self).__name__
+        if attn_type not in AttentionType.ALL:
+            raise ValueError(f"{name} attn_type: expected one of {AttentionType.ALL}, got {attn_type!r}; "
+                             "use a vattn.AttentionType constant.")
+        if attn_type not in self.attn_types:
+            only = " (decoder self-attention over the paged cache)" if self.attn_types == (AttentionType.DECODER,) else ""
+            raise NotImplementedError(f"{name} attn_type: expected one of {self.attn_types}{only}, got {attn_type!r}; "
+                                      "use a backend that serves it (TORCH_SDPA serves every attention type).")
+        if kv_cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"{name} kv_cache_dtype: expected one of {CACHE_DTYPES}, got {kv_cache_dtype!r}; "
+                             "set CacheConfig.cache_dtype to one of them.")
+        if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+            raise ValueError(f"{name} alibi_slopes: expected num_heads = {num_heads} slopes, got "
+                             f"{len(alibi_slopes)}; give one slope per query head.")
         self.num_heads, self.head_size = num_heads, head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{type(self).__name__} num_kv_heads: expected a divisor of num_heads = {num_heads}, "
+            raise ValueError(f"{name} num_kv_heads: expected a divisor of num_heads = {num_heads}, "
                              f"got {self.num_kv_heads}; choose num_kv_heads among the divisors of num_heads.")
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
@@ -259,6 +284,12 @@ class AttentionImpl(ABC, Generic[M]):
         ``attn_metadata is None`` is a profiling / warm-up run: leave the cache untouched
         (the op zero-fills ``output`` itself). Rows past ``num_actual_tokens`` are left unspecified.
         """
+
+    def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value caches, (num_blocks, block_size, Hk, D) each, of the layer's cache
+        tensor (the standard shape's ``[0]`` and ``[1]``). The op stores K/V into them for
+        backends that declare ``Capabilities(stores_kv=False)``."""
+        return kv_cache[0], kv_cache[1]
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Hook to convert loaded parameters (e.g. sinks to float32)."""

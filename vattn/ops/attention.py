@@ -23,10 +23,11 @@ from vattn.core.batch_checks import cache_geometry, fail
 from vattn.core.debug_checks import check_backend_metadata
 from vattn.core.config import get_current_vattn_config
 from vattn.forward_context import get_forward_context, is_forward_context_available
+from vattn.ops.kv_store import layer_scales, store_kv
 from vattn.ops.library import register_op
 from vattn.ops.rotary import apply_rotary, check_rope
 
-__all__ = ["check_call", "check_traced", "maybe_calc_kv_scales", "run_layer", "unified_attention",
+__all__ = ["check_call", "check_traced", "maybe_calc_kv_scales", "run_layer", "store_layer_kv", "unified_attention",
            "unified_attention_with_output"]
 
 _NO_CACHE = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
@@ -55,6 +56,9 @@ def run_layer(
         output.zero_()
         return output
     check_call(layer, query, key, value, kv_cache, attn_metadata, ctx.debug_checks)
+    if output_scale is not None and not layer.output_quant:
+        raise NotImplementedError(f"{layer_name}: {layer.attn_backend.get_name()} does not write quantized output; "
+                                  "pass output_scale=None (or disable the attention+quant fusion pass).")
     if output is None and layer.use_output:
         output = torch.empty_like(query)
     if rope_cos is not None or rope_sin is not None:
@@ -64,9 +68,21 @@ def run_layer(
                                       output_scale=output_scale, rope=(rope_cos, rope_sin))
         query = apply_rotary(query, rope_cos, rope_sin)
         key = None if key is None else apply_rotary(key, rope_cos, rope_sin)
+    if layer.op_stores_kv and key is not None and layer.attn_type not in _NO_CACHE:
+        store_layer_kv(layer, key, value, kv_cache, attn_metadata.slot_mapping)
     return layer.impl.forward(
         layer, query, key, value, kv_cache, attn_metadata, output=output, output_scale=output_scale
     )
+
+
+def store_layer_kv(layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write the step's key / value (T, Hk, D) into the layer's cache at ``slot_mapping`` (T,)
+    (-1: skip), for backends whose impl does not (``Capabilities.stores_kv`` False). The impl's
+    ``split_kv_cache`` names the key and value caches, (num_blocks, block_size, Hk, D) each."""
+    key_cache, value_cache = layer.impl.split_kv_cache(kv_cache)
+    k_scale, v_scale, _ = layer_scales(layer)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, layer.impl.kv_cache_dtype, k_scale, v_scale)
 
 
 def check_call(layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,

@@ -7,11 +7,13 @@ negative slots skipped in the kernel); elsewhere it uses torch indexing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vattn.ops.library import register_op
 
-__all__ = ["fp8_dtype_for", "kv_cache_torch_dtype", "reshape_and_cache_flash", "store_kv", "store_rows", "valid_slots"]
+__all__ = ["fp8_dtype_for", "kv_cache_torch_dtype", "layer_scales", "reshape_and_cache_flash", "store_kv", "store_rows", "valid_slots"]
 
 _FP8 = {
     "fp8": torch.float8_e4m3fn,
@@ -167,3 +169,15 @@ register_op(
     mutates_args=["key_cache", "value_cache"],
     fake_impl=_reshape_and_cache_flash_fake,
 )
+
+
+def layer_scales(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's fp8 scale tensors ``(_k_scale, _v_scale, _q_scale)``, each a 0-d float32.
+
+    ``vattn.Attention`` keeps them as buffers, which attribute access finds only through
+    ``nn.Module.__getattr__``, a Python fallback; impls read them on every eager call, so they
+    come from the module's ``_buffers`` here (other layer objects: by attribute)."""
+    buffers = layer.__dict__.get("_buffers")
+    if buffers is not None and "_q_scale" in buffers:
+        return buffers["_k_scale"], buffers["_v_scale"], buffers["_q_scale"]
+    return layer._k_scale, layer._v_scale, layer._q_scale

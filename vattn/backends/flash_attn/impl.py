@@ -19,8 +19,7 @@ from vattn.core.interface import AttentionImpl
 from vattn.backends.flash_attn import interface as fa_interface
 from vattn.backends.flash_attn.interface import FlashAttnInterface
 from vattn.backends.flash_attn.metadata import FlashAttentionMetadata
-from vattn.backends.utils import layer_scales
-from vattn.ops.kv_store import fp8_dtype_for, store_kv
+from vattn.ops.kv_store import fp8_dtype_for, layer_scales, store_kv
 
 if TYPE_CHECKING:
     from vattn.core.interface import AttentionLayerBase as Attention
@@ -34,34 +33,16 @@ SUPPORTED_ATTN_TYPES = (AttentionType.DECODER,)
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     """Stores new K/V, then one varlen paged call for the whole (mixed) batch."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        if attn_type not in SUPPORTED_ATTN_TYPES:
-            also = " or TRITON_ATTN" if attn_type == AttentionType.ENCODER_DECODER else ""
-            raise NotImplementedError(
-                f"FLASH_ATTN attn_type: expected one of {SUPPORTED_ATTN_TYPES} (decoder self-attention over "
-                f"the paged cache), got {attn_type!r}; use TORCH_SDPA{also} for {attn_type} attention."
-            )
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-            logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
-        )
-        self._fp8_dtype = fp8_dtype_for(kv_cache_dtype)
+    backend_name = "FLASH_ATTN"
+    attn_types = SUPPORTED_ATTN_TYPES
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``AttentionImpl``'s arguments."""
+        super().__init__(*args, **kwargs)
+        self._fp8_dtype = fp8_dtype_for(self.kv_cache_dtype)
         self._iface: FlashAttnInterface | None = None
         self._dev_cache: dict[str, torch.Tensor] = {}
-        if (alibi_slopes is not None or sinks is not None) and torch.cuda.is_available():
+        if (self.alibi_slopes is not None or self.sinks is not None) and torch.cuda.is_available():
             self._interface()  # refuse ALiBi / sinks the installed interface lacks at construction
 
     def _interface(self) -> FlashAttnInterface:

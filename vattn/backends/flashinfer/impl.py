@@ -8,15 +8,14 @@ checks). fp8 KV caches attend with the layer's host scales (``_k_scale_float``, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vattn.core.enums import AttentionType
 from vattn.core.interface import AttentionImpl
 from vattn.backends.flashinfer.metadata import FlashInferMetadata
-from vattn.backends.utils import layer_scales
-from vattn.ops.kv_store import fp8_dtype_for, store_kv
+from vattn.ops.kv_store import fp8_dtype_for, layer_scales, store_kv
 
 if TYPE_CHECKING:
     from vattn.core.interface import AttentionLayerBase as Attention
@@ -30,41 +29,23 @@ SUPPORTED_ATTN_TYPES = (AttentionType.DECODER,)
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     """Stores new K/V, then runs the planned decode and prefill wrappers into ``output``."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        if alibi_slopes is not None:
+    backend_name = "FLASHINFER"
+    attn_types = SUPPORTED_ATTN_TYPES
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``AttentionImpl``'s arguments."""
+        super().__init__(*args, **kwargs)
+        if self.alibi_slopes is not None:
             raise NotImplementedError(
                 f"FLASHINFER alibi_slopes: expected None (FlashInfer's paged wrappers have no ALiBi), got "
-                f"{len(alibi_slopes)} slopes; use TRITON_ATTN, TORCH_SDPA or FLASH_ATTN (FA2) for ALiBi layers."
+                f"{len(self.alibi_slopes)} slopes; use TRITON_ATTN, TORCH_SDPA or FLASH_ATTN (FA2) for ALiBi layers."
             )
-        if sinks is not None:
+        if self.sinks is not None:
             raise NotImplementedError(
                 f"FLASHINFER sinks: expected None (no attention sinks), got a tensor of shape "
-                f"{tuple(sinks.shape)}; use TRITON_ATTN, TORCH_SDPA or FLASH_ATTN (flash-attn-4) for sinks."
+                f"{tuple(self.sinks.shape)}; use TRITON_ATTN, TORCH_SDPA or FLASH_ATTN (flash-attn-4) for sinks."
             )
-        if attn_type not in SUPPORTED_ATTN_TYPES:
-            also = " or TRITON_ATTN" if attn_type == AttentionType.ENCODER_DECODER else ""
-            raise NotImplementedError(
-                f"FLASHINFER attn_type: expected one of {SUPPORTED_ATTN_TYPES} (decoder self-attention over "
-                f"the paged cache), got {attn_type!r}; use TORCH_SDPA{also} for {attn_type} attention."
-            )
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-            logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
-        )
-        self._fp8_dtype = fp8_dtype_for(kv_cache_dtype)
+        self._fp8_dtype = fp8_dtype_for(self.kv_cache_dtype)
 
     def forward(
         self,

@@ -75,9 +75,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
             raise TypeError(f"{name} kernel_options: expected a dict of FlexAttention kernel options, got "
                             f"{kernel_options!r}.")
         slopes = self.alibi_slopes
-        if slopes is not None and slopes.shape != (num_heads,):
-            raise ValueError(f"{name} alibi_slopes: expected num_heads = {num_heads} slopes, got "
-                             f"{tuple(slopes.shape)}; give one slope per query head.")
         self.mask_mod, self.score_mod = mask_mod, score_mod
         # A user mask replaces causality (TREE_ATTN's tree stays: the user mask narrows it).
         base = FULL if mask_mod is not None and self.base_mask == CAUSAL else self.base_mask

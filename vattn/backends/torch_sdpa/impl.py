@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from vattn.core.enums import AttentionType
 from vattn.core.interface import AttentionImpl
 from vattn.backends.torch_sdpa.metadata import TorchSDPAMetadata
-from vattn.backends.utils import layer_scales
-from vattn.core.config import CACHE_DTYPES
-from vattn.ops.kv_store import store_kv, store_rows
+from vattn.ops.kv_store import layer_scales, store_kv, store_rows
 
 if TYPE_CHECKING:
     from vattn.core.interface import AttentionLayerBase as Attention
@@ -25,43 +23,17 @@ _ENCODER_SELF = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     """Stores new K/V, gathers each request's K/V into a padded batch, attends in float32."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        if attn_type not in AttentionType.ALL:
-            raise ValueError(
-                f"TORCH_SDPA attn_type: expected one of {AttentionType.ALL}, got {attn_type!r}; "
-                "use a vattn.AttentionType constant."
-            )
-        if kv_cache_dtype not in CACHE_DTYPES:
-            raise ValueError(
-                f"TORCH_SDPA kv_cache_dtype: expected one of {CACHE_DTYPES}, got {kv_cache_dtype!r}; "
-                "set CacheConfig.cache_dtype to one of them."
-            )
-        if self.alibi_slopes is not None and self.alibi_slopes.shape != (num_heads,):
-            raise ValueError(
-                f"TORCH_SDPA alibi_slopes: expected num_heads = {num_heads} slopes, got "
-                f"{tuple(self.alibi_slopes.shape)}; give one slope per query head."
-            )
-        self.window = sliding_window
+    backend_name = "TORCH_SDPA"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``AttentionImpl``'s arguments (every attention type and cache dtype)."""
+        super().__init__(*args, **kwargs)
+        self.window = None if self.sliding_window is None else self.sliding_window[0] + 1
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         # Decode-only batches of plain causal attention go through ``_decode`` (SDPA's own GQA,
         # whole blocks gathered, no padded query batch).
-        self._plain_decode = (attn_type == AttentionType.DECODER and alibi_slopes is None
-                              and logits_soft_cap is None and sinks is None)
+        self._plain_decode = (self.attn_type == AttentionType.DECODER and self.alibi_slopes is None
+                              and self.logits_soft_cap is None and self.sinks is None)
 
     def _alibi(self, device: torch.device) -> torch.Tensor:
         # Copied to the device once (first forward), not on every step.

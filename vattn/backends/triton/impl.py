@@ -21,9 +21,7 @@ from vattn.core.enums import AttentionType
 from vattn.core.interface import AttentionImpl
 from vattn.backends.triton.config import head_pad
 from vattn.backends.triton.metadata import TritonAttentionMetadata
-from vattn.backends.utils import layer_scales
-from vattn.core.config import CACHE_DTYPES
-from vattn.ops.kv_store import store_kv
+from vattn.ops.kv_store import layer_scales, store_kv
 
 if TYPE_CHECKING:
     from vattn.core.interface import AttentionLayerBase as Attention
@@ -84,41 +82,15 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
     fuses_rope = True
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        if attn_type not in SUPPORTED_ATTN_TYPES:
-            raise NotImplementedError(
-                f"TRITON_ATTN attn_type: expected one of {SUPPORTED_ATTN_TYPES}, got {attn_type!r}; use "
-                "TORCH_SDPA for encoder / encoder_only self-attention."
-            )
-        if kv_cache_dtype not in CACHE_DTYPES:
-            raise ValueError(
-                f"TRITON_ATTN kv_cache_dtype: expected one of {CACHE_DTYPES}, got {kv_cache_dtype!r}; "
-                "set CacheConfig.cache_dtype to one of them."
-            )
-        if head_size > 256:
-            raise ValueError(
-                f"TRITON_ATTN head_size: expected at most 256, got {head_size}; use TORCH_SDPA for larger heads."
-            )
-        if self.alibi_slopes is not None and self.alibi_slopes.shape != (num_heads,):
-            raise ValueError(
-                f"TRITON_ATTN alibi_slopes: expected num_heads = {num_heads} slopes, got "
-                f"{tuple(self.alibi_slopes.shape)}; give one slope per query head."
-            )
+    backend_name = "TRITON_ATTN"
+    attn_types = SUPPORTED_ATTN_TYPES
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``AttentionImpl``'s arguments; head sizes up to 256."""
+        super().__init__(*args, **kwargs)
+        if self.head_size > 256:
+            raise ValueError(f"TRITON_ATTN head_size: expected at most 256, got {self.head_size}; use TORCH_SDPA "
+                             "for larger heads.")
         self._alibi_cache: dict[torch.device, torch.Tensor] = {}
         self._fixed: tuple[Any, ...] | None = None  # (cache, scales...), K view, V view, their signature part
         self._static_signature = (type(self), self.num_heads, self.num_kv_heads, self.head_size, self.scale,
