@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.library import opcheck
 
@@ -125,3 +126,18 @@ def test_eager_calls_skip_the_dispatcher_only_where_nothing_traces(vattn_config)
         with torch.enable_grad():
             probe(q.clone().requires_grad_(), k, v)
     assert seen == [True, False, False]
+
+
+def test_op_refuses_output_scale_before_writing(vattn_config):
+    """The op, not each impl, refuses ``output_scale`` for a backend that declares no quantized
+    output (``Capabilities.output_quant``): before the cache or the output is touched."""
+    layer, kv, md = _setup(vattn_config)
+    assert not layer.attn_backend.capabilities.output_quant
+    q, k, v = torch.randn(4, H, D), torch.randn(4, HK, D), torch.randn(4, HK, D)
+    out = torch.full((4, H, D), 7.0)
+    before = [t.clone() for t in layer.kv_cache]
+    with vattn.set_forward_context(md, vattn_config):
+        with pytest.raises(NotImplementedError, match=r"op.attn: TORCH_SDPA does not write quantized output.*output_scale=None"):
+            torch.ops.vattn.unified_attention_with_output(q, k, v, out, "op.attn", output_scale=torch.tensor(1.0))
+    assert torch.equal(out, torch.full((4, H, D), 7.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.kv_cache))

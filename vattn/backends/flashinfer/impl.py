@@ -47,22 +47,10 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
             )
         self._fp8_dtype = fp8_dtype_for(self.kv_cache_dtype)
 
-    def forward(
-        self,
-        layer: "Attention",
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: FlashInferMetadata | None,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: FlashInferMetadata | None,
+                output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query (T, H, D), key/value (T, Hk, D), kv_cache (num_blocks, 2, block_size, Hk, D) -> output (T, H, D)."""
-        if output is None:
-            raise ValueError("FLASHINFER writes into a caller-allocated output (T, H, D); pass output=.")
-        if output_scale is not None:
-            raise NotImplementedError("FLASHINFER does not write quantized output; leave output_scale=None.")
         md = attn_metadata
         if md is None:
             return output

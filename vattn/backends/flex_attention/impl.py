@@ -106,11 +106,6 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 output_scale: Tensor | None = None) -> Tensor:
         """See ``AttentionImpl.forward``. Device work only (no host syncs)."""
         name = self.backend_name
-        if output is None:
-            raise ValueError(f"{name}: output must be a (T, H, D) buffer (accept_output_buffer).")
-        if output_scale is not None:
-            raise NotImplementedError(f"{name} does not write quantized output; pass output_scale=None "
-                                      "(or disable the attention+quant fusion pass).")
         if attn_metadata is None:
             return output
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size):

@@ -42,25 +42,10 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
             self._alibi_cache[device] = self.alibi_slopes.to(device)
         return self._alibi_cache[device]
 
-    def forward(
-        self,
-        layer: "Attention",
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: TorchSDPAMetadata | None,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata | None,
+                output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None) -> torch.Tensor:
         """See ``AttentionImpl.forward``. Device ops only: no host syncs."""
-        if output is None:
-            raise ValueError("TorchSDPAImpl.forward: output must be a (T, H, D) buffer (accept_output_buffer).")
-        if output_scale is not None:
-            raise NotImplementedError(
-                "TORCH_SDPA does not write quantized output; pass output_scale=None "
-                "(or disable the attention+quant fusion pass)."
-            )
         if attn_metadata is None:
             return output
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size):

@@ -108,22 +108,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         """Static per-tensor fp8 output (``output_scale``) is written by the kernel itself."""
         return _is_static_per_tensor_fp8(quant_key)
 
-    def forward(
-        self,
-        layer: "Attention",
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: TritonAttentionMetadata | None,
-        output: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, layer: "Attention", query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata | None,
+                output: torch.Tensor | None = None, output_scale: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """See ``AttentionImpl.forward``; ``rope``: (T, D) cos / sin rows, q and key unrotated
         (``fuses_rope``). Device work only (no host syncs): CUDA-graph safe."""
-        if output is None:
-            raise ValueError("TritonAttentionImpl.forward: output must be a (T, H, D) buffer (accept_output_buffer).")
         if attn_metadata is None:
             return output
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size):
