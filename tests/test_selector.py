@@ -278,16 +278,19 @@ def test_mla_on_cpu_is_refused_with_reason(monkeypatch):
 
 
 def test_mla_on_cuda_says_why_each_mla_backend_cannot_serve(monkeypatch):
-    """Without a GPU every MLA backend refuses; FLASHMLA and CUTLASS_MLA name the kernels vattn cannot install."""
+    """Without a GPU every MLA backend on the list refuses and says why; the backends vattn cannot
+    serve (FLASHMLA, CUTLASS_MLA) are on no list, and name the kernels they need when forced."""
     use_platform(monkeypatch, CudaPlatform())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError) as ei:
         get_attn_backend(576, torch.bfloat16, "auto", 64, use_mla=True)
     msg = str(ei.value)
     reasons = dict(line.strip().split(": ", 1) for line in msg.split("and why:\n")[1].split("\nChange")[0].splitlines())
-    assert list(reasons) == ["FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
-    assert "flash_mla" in reasons["FLASHMLA"] and "cannot install" in reasons["FLASHMLA"]
-    assert "vllm._C" in reasons["CUTLASS_MLA"] and "cannot install" in reasons["CUTLASS_MLA"]
+    assert list(reasons) == ["FLASHINFER_MLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
+    for name, needs in (("FLASHMLA", "flash_mla"), ("CUTLASS_MLA", "vllm._C")):
+        monkeypatch.setenv(ENV, name)
+        with pytest.raises(ValueError, match=f"(?s){needs}.*cannot install"):
+            get_attn_backend(576, torch.bfloat16, "auto", 64, use_mla=True)
     assert "GPU" in reasons["FLASHINFER_MLA"] and "GPU" in reasons["FLASH_ATTN_MLA"]
     assert "not implemented" not in msg
     assert "FLASH_ATTN:" not in msg.replace("FLASH_ATTN_MLA", "")
@@ -393,7 +396,8 @@ def test_platform_priority_tables():
     assert CudaPlatform.attention_priority == (B.FLASH_ATTN, B.FLASHINFER, B.TRITON_ATTN, B.TORCH_SDPA)
     assert CudaPlatform.hopper_priority == (B.TRITON_ATTN, B.FLASHINFER, B.FLASH_ATTN, B.TORCH_SDPA)
     mla = cuda.get_attn_backend_priority(576, torch.bfloat16, "auto", 64, use_mla=True)
-    assert mla[0] is B.FLASHMLA and B.TRITON_MLA in mla and B.FLASH_ATTN not in mla
+    assert mla[0] is B.FLASHINFER_MLA and B.TRITON_MLA in mla and B.FLASH_ATTN not in mla
+    assert not {B.FLASHMLA, B.FLASHMLA_SPARSE, B.CUTLASS_MLA} & set(mla + list(CudaPlatform.hopper_mla_priority))
     assert cpu.get_attn_backend_priority(64, torch.float32, "auto", 16) == [B.TORCH_SDPA]
     assert cuda.device_type == "cuda" and cpu.device_type == "cpu"
     assert cuda.is_cuda() and cpu.is_cpu() and not cpu.is_cuda()
@@ -424,7 +428,7 @@ def test_cuda_priority_by_dtype_and_capability(monkeypatch):
     assert cuda.get_attn_backend_priority(128, torch.float32, "auto", 16)[0] == B.TORCH_SDPA
     monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda self, device_id=0: DeviceCapability(10, 0))
     assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16)[0] == B.FLASH_ATTN
-    assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16, use_mla=True)[0] == B.FLASHMLA
+    assert cuda.get_attn_backend_priority(128, torch.float16, "auto", 16, use_mla=True)[0] == B.FLASHINFER_MLA
 
 
 def test_flashinfer_decode_tensor_core_flag(monkeypatch):

@@ -118,27 +118,15 @@ class Attention(nn.Module, AttentionLayerBase):
     ``torch.get_default_dtype()`` at construction (build the model under the dtype it runs in).
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        cache_config: CacheConfig | None = None,
-        quant_config: QuantizationConfig | None = None,
-        logits_soft_cap: float | None = None,
-        per_layer_sliding_window: int | None = None,
-        use_mla: bool = False,
-        use_sparse: bool = False,
-        prefix: str = "",
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        attn_backend: type[AttentionBackend] | str | None = None,
-        mask_mod: Callable[..., torch.Tensor] | None = None,
-        score_mod: Callable[..., torch.Tensor] | None = None,
-        **extra_impl_args: Any,
-    ) -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, cache_config: CacheConfig | None = None,
+                 quant_config: QuantizationConfig | None = None, logits_soft_cap: float | None = None,
+                 per_layer_sliding_window: int | None = None, use_mla: bool = False, use_sparse: bool = False,
+                 prefix: str = "", attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None,
+                 attn_backend: type[AttentionBackend] | str | None = None,
+                 mask_mod: Callable[..., torch.Tensor] | None = None,
+                 score_mod: Callable[..., torch.Tensor] | None = None, **extra_impl_args: Any) -> None:
         super().__init__()
         vattn_config = get_current_vattn_config()
         cache_config = cache_config if cache_config is not None else vattn_config.cache
@@ -302,13 +290,9 @@ class Attention(nn.Module, AttentionLayerBase):
                     "pass the same tokens' q, k and v."
                 )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        output_shape: torch.Size | None = None, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                output_shape: torch.Size | None = None, *,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attend over the paged cache. Shapes in the class docstring; returns (T, H*D). ``rope``: (cos, sin)
         (T, head_size) rotate-half rows for an unrotated q / key (``vattn.ops.rotary.rope_args``)."""
         direct = self.use_direct_call

@@ -10,17 +10,17 @@ Backend priority (the selector tries these in order and takes the first whose
 | cuda, sm_90 (Hopper) | standard attention, fp16/bf16 | TRITON_ATTN, FLASHINFER, FLASH_ATTN, TORCH_SDPA (by measurement: see ``CudaPlatform.hopper_priority``) |
 | cuda, other | standard attention, fp16/bf16 | FLASH_ATTN (flash-attn-4 / FA3 / FA2), FLASHINFER, TRITON_ATTN, TORCH_SDPA |
 | cuda | float32 | TORCH_SDPA, TRITON_ATTN (the libraries serve only fp16/bf16) |
-| cuda | MLA (``use_mla``) | FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, TRITON_MLA (sm_90: ``hopper_mla_priority``) |
+| cuda | MLA (``use_mla``) | FLASHINFER_MLA, FLASH_ATTN_MLA, TRITON_MLA (sm_90: ``hopper_mla_priority``) |
 | cpu | standard attention | TORCH_SDPA |
 | cpu | MLA | TRITON_MLA (under ``TRITON_INTERPRET=1`` only; otherwise it states why not) |
 
 Why this order on CUDA: FlashAttention and FlashInfer are the fastest tuned kernels where
 installed (each reports itself unavailable otherwise); vattn's Triton kernels need only
 Triton; SDPA is the always-works reference. On Hopper the measured order differs (Triton
-first, for decode; the numbers are in benchmarks/README.md). MLA: FLASHMLA and CUTLASS_MLA
-need kernel libraries vattn does not ship and say so (the selector lists their reasons);
-FlashInfer's and FlashAttention's MLA kernels come next, vattn's Triton MLA last (it also
-serves fp32 and fp8 latent caches); ``hopper_mla_priority`` is the order
+first, for decode; the numbers are in benchmarks/README.md). MLA: FlashInfer's and
+FlashAttention's MLA kernels first, vattn's Triton MLA last (it also serves fp32 and fp8
+latent caches); FLASHMLA, FLASHMLA_SPARSE and CUTLASS_MLA need kernel libraries vattn does not
+ship: they stay in the registry and say why when forced, but are on no priority list; ``hopper_mla_priority`` is the order
 ``benchmarks/bench_mla.py`` measures on sm_90. On CPU only SDPA is a sensible default;
 TRITON_ATTN runs there only under ``TRITON_INTERPRET=1`` and only when forced
 (``VATTN_ATTENTION_BACKEND=TRITON_ATTN`` or ``vattn.global_force_attn_backend``); no MLA
@@ -98,16 +98,9 @@ class Platform:
         """The compute capability of ``device_id``, or ``None`` where it has no meaning (CPU)."""
         return None
 
-    def get_attn_backend_priority(
-        self,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str | None,
-        block_size: int,
-        use_mla: bool = False,
-        has_sink: bool = False,
-        use_sparse: bool = False,
-    ) -> list[AttentionBackendEnum]:
+    def get_attn_backend_priority(self, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                                  block_size: int, use_mla: bool = False, has_sink: bool = False,
+                                  use_sparse: bool = False) -> list[AttentionBackendEnum]:
         """The backends to try, best first (see the module docstring's table).
 
         The configuration arguments are accepted so a platform can reorder by them; the
@@ -122,7 +115,7 @@ class CudaPlatform(Platform):
 
     device_type = "cuda"
     attention_priority = (_B.FLASH_ATTN, _B.FLASHINFER, _B.TRITON_ATTN, _B.TORCH_SDPA)
-    mla_priority = (_B.FLASHMLA, _B.FLASHINFER_MLA, _B.CUTLASS_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
+    mla_priority = (_B.FLASHINFER_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
 
     #: Hopper (sm_90). Decode dominates generation, and there vattn's Triton kernel keeps pace
     #: with FlashInfer's on the bare kernel and is faster in a compiled full-graph decode step: it
@@ -132,22 +125,15 @@ class CudaPlatform(Platform):
     #: The measurements behind this order: benchmarks/README.md (from benchmarks/results/*.json).
     hopper_priority = (_B.TRITON_ATTN, _B.FLASHINFER, _B.FLASH_ATTN, _B.TORCH_SDPA)
     #: MLA on Hopper (sm_90), in the order ``benchmarks/bench_mla.py``'s decode and prefill results
-    #: give (benchmarks/README.md): FLASHINFER_MLA before TRITON_MLA; the libraries vattn cannot
-    #: install here keep their place ahead, and report themselves unavailable.
-    hopper_mla_priority = (_B.FLASHMLA, _B.FLASHINFER_MLA, _B.CUTLASS_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
+    #: give (benchmarks/README.md): FLASHINFER_MLA before TRITON_MLA. Backends vattn cannot serve
+    #: (FLASHMLA, FLASHMLA_SPARSE, CUTLASS_MLA) stay in the registry with their reasons, off the lists.
+    hopper_mla_priority = (_B.FLASHINFER_MLA, _B.FLASH_ATTN_MLA, _B.TRITON_MLA)
     #: float32 models: the reference backend (exact float32 math, runs on CPU tensors too).
     float32_priority = (_B.TORCH_SDPA, _B.TRITON_ATTN)
 
-    def get_attn_backend_priority(
-        self,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str | None,
-        block_size: int,
-        use_mla: bool = False,
-        has_sink: bool = False,
-        use_sparse: bool = False,
-    ) -> list[AttentionBackendEnum]:
+    def get_attn_backend_priority(self, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                                  block_size: int, use_mla: bool = False, has_sink: bool = False,
+                                  use_sparse: bool = False) -> list[AttentionBackendEnum]:
         """CUDA order: float32 -> SDPA first; Hopper -> ``hopper_priority`` (MLA: ``hopper_mla_priority``);
         else the class table."""
         cap = self.get_device_capability()

@@ -187,24 +187,12 @@ def global_force_attn_backend_context_manager(
         _cached_get_attn_backend.cache_clear()
 
 
-def get_attn_backend(
-    head_size: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: str | None,
-    block_size: int,
-    use_mla: bool = False,
-    has_sink: bool = False,
-    use_sparse: bool = False,
-    *,
-    attn_type: str = AttentionType.DECODER,
-    use_sliding_window: bool = False,
-    use_logits_soft_cap: bool = False,
-    use_alibi: bool = False,
-    use_mask_mod: bool = False,
-    use_score_mod: bool = False,
-    mla_dims: tuple[int, int, int, int] | None = None,
-    is_attention_free: bool = False,
-) -> type[AttentionBackend]:
+def get_attn_backend(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None, block_size: int,
+                     use_mla: bool = False, has_sink: bool = False, use_sparse: bool = False, *,
+                     attn_type: str = AttentionType.DECODER, use_sliding_window: bool = False,
+                     use_logits_soft_cap: bool = False, use_alibi: bool = False, use_mask_mod: bool = False,
+                     use_score_mod: bool = False, mla_dims: tuple[int, int, int, int] | None = None,
+                     is_attention_free: bool = False) -> type[AttentionBackend]:
     """Select the attention backend for a configuration and import it.
 
     Args:
@@ -319,22 +307,12 @@ def _describe(config: tuple, features: tuple) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_get_attn_backend(
-    head_size: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: str | None,
-    block_size: int,
-    use_mla: bool,
-    has_sink: bool,
-    use_sparse: bool,
-    *,
-    features: tuple[str, bool, bool, bool, bool, bool],
-    mla_dims: tuple[int, int, int, int] | None = None,
-    forced_backend: AttentionBackendEnum | None,
-    env_backend: str | None,
-    platform: Platform,
-    generation: int,
-) -> type[AttentionBackend]:
+def _cached_get_attn_backend(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None, block_size: int,
+                             use_mla: bool, has_sink: bool, use_sparse: bool, *,
+                             features: tuple[str, bool, bool, bool, bool, bool],
+                             mla_dims: tuple[int, int, int, int] | None = None,
+                             forced_backend: AttentionBackendEnum | None, env_backend: str | None, platform: Platform,
+                             generation: int) -> type[AttentionBackend]:
     config = (head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse)
 
     selected, source = None, ""

@@ -46,8 +46,7 @@ class NoAttentionBackend(AttentionBackend):
     metadata_cls = AttentionMetadata
     builder_cls = NoAttentionMetadataBuilder
     capabilities = Capabilities(
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        runs_on_cpu=True,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), runs_on_cpu=True,
         installable=False,  # never a suggestion for an attention layer
     )
 

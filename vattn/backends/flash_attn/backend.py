@@ -23,17 +23,12 @@ class FlashAttentionBackend(AttentionBackend):
     metadata_cls = FlashAttentionMetadata
     builder_cls = FlashAttentionMetadataBuilder
     capabilities = Capabilities(
-        accept_output_buffer=True,
+        accept_output_buffer=True, sink=True, sliding_window=True, logits_soft_cap=True, alibi=True,
+        attn_types=SUPPORTED_ATTN_TYPES, min_compute_capability=(8, 0),
         quant_query_input=True,  # fp8 KV caches attend with fp8 queries
         kv_cache_dtypes=(
             "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
         ),
-        sink=True,
-        sliding_window=True,
-        logits_soft_cap=True,
-        alibi=True,
-        attn_types=SUPPORTED_ATTN_TYPES,
-        min_compute_capability=(8, 0),
         notes={
             "alibi": "FA2",
             "sinks": "flash-attn-4",
@@ -56,16 +51,8 @@ class FlashAttentionBackend(AttentionBackend):
         return iface is not None, why
 
     @classmethod
-    def validate_configuration(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str | None,
-        block_size: int,
-        use_mla: bool = False,
-        has_sink: bool = False,
-        use_sparse: bool = False,
-    ) -> list[str]:
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None, block_size: int,
+                               use_mla: bool = False, has_sink: bool = False, use_sparse: bool = False) -> list[str]:
         """Every reason the installed interface cannot serve the configuration (``interface_reasons``)."""
         iface, why = fa_interface.get_flash_attn_interface()
         if iface is None:

@@ -35,22 +35,18 @@ class FlashInferBackend(AttentionBackend):
     metadata_cls = FlashInferMetadata
     builder_cls = FlashInferMetadataBuilder
     capabilities = Capabilities(
-        accept_output_buffer=True,
-        dtypes=(torch.float16, torch.bfloat16),
+        accept_output_buffer=True, dtypes=(torch.float16, torch.bfloat16), sliding_window=True,
+        logits_soft_cap=True, attn_types=SUPPORTED_ATTN_TYPES, min_compute_capability=(7, 5),
+        head_sizes=(64, 128, 256),
         kv_cache_dtypes=(
             "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
         ),
-        sliding_window=True,
-        logits_soft_cap=True,
-        attn_types=SUPPORTED_ATTN_TYPES,
-        min_compute_capability=(7, 5),
         notes={
             "sliding_window": "one per KV-cache group",
             "logits_soft_cap": "one per KV-cache group",
             "dtypes": "bf16: 8.0+",
             "fp8_kv": "e4m3: 8.9+",
         },
-        head_sizes=(64, 128, 256),
     )
 
     @staticmethod

@@ -25,17 +25,10 @@ class FlexAttentionBackend(AttentionBackend):
     metadata_cls = FlexAttentionMetadata
     builder_cls = FlexAttentionMetadataBuilder
     capabilities = Capabilities(
-        accept_output_buffer=True,
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        kv_cache_dtypes=SUPPORTED_KV_CACHE_DTYPES,
-        sink=True,
-        sliding_window=True,
-        logits_soft_cap=True,
-        alibi=True,
-        mask_mod=True,
-        score_mod=True,
-        attn_types=(AttentionType.DECODER,),
-        runs_on_cpu=True,
+        accept_output_buffer=True, dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        kv_cache_dtypes=SUPPORTED_KV_CACHE_DTYPES, sink=True, sliding_window=True, logits_soft_cap=True,
+        alibi=True, mask_mod=True, score_mod=True, attn_types=(AttentionType.DECODER,), runs_on_cpu=True,
+        head_sizes=tuple(range(8, 257, 8)),
         notes={
             "head_sizes": "CUDA: 16 and up",
             "sinks": "CPU: the reference path (slow)",
@@ -43,7 +36,6 @@ class FlexAttentionBackend(AttentionBackend):
             "cuda_graphs": "other steps piecewise",
             "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for layers without mods",
         },
-        head_sizes=tuple(range(8, 257, 8)),
     )
 
     @staticmethod

@@ -47,9 +47,7 @@ class MLACommonBackend(AttentionBackend):
     qk_rope_head_dim)``, an output buffer, MLA only. Subclasses name the impl and builder."""
 
     capabilities = Capabilities(
-        accept_output_buffer=True,
-        mla=True,
-        dtypes=(torch.float16, torch.bfloat16),
+        accept_output_buffer=True, mla=True, dtypes=(torch.float16, torch.bfloat16),
         kv_cache_dtypes=("auto", "bfloat16", "float16"),
     )
 

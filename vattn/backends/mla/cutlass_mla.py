@@ -17,8 +17,7 @@ class CutlassMLABackend(UnservableMLABackend):
 
     name = "CUTLASS_MLA"
     capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
-        min_compute_capability=(10, 0),
-        notes={"gpus": "vllm._C, not installable"},
+        min_compute_capability=(10, 0), notes={"gpus": "vllm._C, not installable"},
     )
     library: ClassVar[str] = "vllm"
     needs: ClassVar[str] = ("vLLM's CUTLASS MLA decode kernel (sm100_cutlass_mla_decode, compiled into vLLM's "

@@ -143,12 +143,11 @@ class FlashAttnMLABackend(MLACommonBackend):
     impl_cls = FlashAttnMLAImpl
     builder_cls = MLACommonMetadataBuilder
     capabilities = dataclasses.replace(MLACommonBackend.capabilities,
-        min_compute_capability=(9, 0),
+        min_compute_capability=(9, 0), head_sizes=(_LORA + _ROPE,),
         notes={
             "gpus": "FA3 only",
             "head_sizes": "L 512 + P 64",
         },
-        head_sizes=(_LORA + _ROPE,),
     )
 
     @classmethod

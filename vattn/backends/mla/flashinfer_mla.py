@@ -182,10 +182,9 @@ class FlashInferMLABackend(MLACommonBackend):
     impl_cls = FlashInferMLAImpl
     builder_cls = FlashInferMLAMetadataBuilder
     capabilities = dataclasses.replace(MLACommonBackend.capabilities,
-        min_compute_capability=(8, 0),
+        min_compute_capability=(8, 0), head_sizes=(_LORA + _ROPE,),
         notes={
             "head_sizes": "L 512 + P 64; prefill q/k + v head sizes 192 + 128, or equal 64, 128, 256"},
-        head_sizes=(_LORA + _ROPE,),
     )
 
     @classmethod

@@ -17,8 +17,7 @@ class FlashMLABackend(UnservableMLABackend):
 
     name = "FLASHMLA"
     capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
-        min_compute_capability=(9, 0),
-        notes={"gpus": "flash_mla, not installable"},
+        min_compute_capability=(9, 0), notes={"gpus": "flash_mla, not installable"},
     )
     library: ClassVar[str] = "flash_mla"
     needs: ClassVar[str] = ("DeepSeek's FlashMLA kernels (the flash_mla package of github.com/deepseek-ai/FlashMLA, "

@@ -18,9 +18,7 @@ class FlashMLASparseBackend(UnservableMLABackend):
 
     name = "FLASHMLA_SPARSE"
     capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
-        sparse=True,
-        min_compute_capability=(9, 0),
-        notes={"gpus": "flash_mla, not installable"},
+        sparse=True, min_compute_capability=(9, 0), notes={"gpus": "flash_mla, not installable"},
     )
     library: ClassVar[str] = "flash_mla"
     needs: ClassVar[str] = ("FlashMLA's sparse kernels (flash_mla_sparse_fwd and the sparse decode of the flash_mla "

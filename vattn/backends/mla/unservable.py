@@ -34,8 +34,7 @@ class UnservableMLABackend(MLACommonBackend):
 
     builder_cls = MLACommonMetadataBuilder
     capabilities = dataclasses.replace(MLACommonBackend.capabilities,
-        installable=False,
-        head_sizes=(576,),
+        installable=False, head_sizes=(576,),
     )
     library: ClassVar[str] = ""
     needs: ClassVar[str] = ""

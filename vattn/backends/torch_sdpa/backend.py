@@ -23,15 +23,9 @@ class TorchSDPABackend(AttentionBackend):
     metadata_cls = TorchSDPAMetadata
     builder_cls = TorchSDPAMetadataBuilder
     capabilities = Capabilities(
-        accept_output_buffer=True,
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        kv_cache_dtypes=CACHE_DTYPES,
-        sink=True,
-        sliding_window=True,
-        logits_soft_cap=True,
-        alibi=True,
-        attn_types=AttentionType.ALL,
-        runs_on_cpu=True,
+        accept_output_buffer=True, dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        kv_cache_dtypes=CACHE_DTYPES, sink=True, sliding_window=True, logits_soft_cap=True, alibi=True,
+        attn_types=AttentionType.ALL, runs_on_cpu=True,
         notes={
             "sliding_window": "not on cross-attention",
             "alibi": "not on cross-attention",

@@ -42,24 +42,16 @@ class TritonAttentionBackend(AttentionBackend):
     metadata_cls = TritonAttentionMetadata
     builder_cls = TritonAttentionMetadataBuilder
     capabilities = Capabilities(
-        accept_output_buffer=True,
-        quant_query_input=True,
-        output_quant=True,
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        kv_cache_dtypes=CACHE_DTYPES,
-        sink=True,
-        sliding_window=True,
-        logits_soft_cap=True,
-        alibi=True,
+        accept_output_buffer=True, quant_query_input=True, output_quant=True,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), kv_cache_dtypes=CACHE_DTYPES, sink=True,
+        sliding_window=True, logits_soft_cap=True, alibi=True, attn_types=SUPPORTED_ATTN_TYPES,
+        min_compute_capability=(8, 0), head_sizes=tuple(range(8, 257, 8)),
         tree_parents=True,  # the kernel's tree mask (``TritonAttentionMetadata.tree``)
-        attn_types=SUPPORTED_ATTN_TYPES,
-        min_compute_capability=(8, 0),
         notes={
             "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
             "sliding_window": "not on cross-attention",
             "fp8_kv": "e4m3: 8.9+",
         },
-        head_sizes=tuple(range(8, 257, 8)),
     )
 
     @classmethod

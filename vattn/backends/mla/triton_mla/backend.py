@@ -114,8 +114,7 @@ class TritonMLABackend(MLACommonBackend):
     impl_cls = TritonMLAImpl
     builder_cls = TritonMLAMetadataBuilder
     capabilities = dataclasses.replace(MLACommonBackend.capabilities,
-        dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        kv_cache_dtypes=CACHE_DTYPES,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), kv_cache_dtypes=CACHE_DTYPES,
         min_compute_capability=(8, 0),
         notes={
             "runs_on_cpu": "TRITON_INTERPRET=1 (tests)",
