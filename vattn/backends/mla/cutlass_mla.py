@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import ClassVar
 
-from vattn.core.interface import AttentionImpl
-from vattn.backends.mla.unservable import UnservableMLABackend, unservable_impl
+from vattn.backends.mla.unservable import UnservableMLABackend
 
 __all__ = ["CutlassMLABackend"]
 
@@ -16,14 +14,9 @@ class CutlassMLABackend(UnservableMLABackend):
     """CUTLASS MLA (``sm100_cutlass_mla_decode``): not runnable with this vattn; ``is_available`` says why."""
 
     name = "CUTLASS_MLA"
-    capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
-        min_compute_capability=(10, 0), notes={"gpus": "vllm._C, not installable"},
-    )
+    capabilities = dataclasses.replace(UnservableMLABackend.capabilities, min_compute_capability=(10, 0),
+                                       notes={"gpus": "vllm._C, not installable"})
     library: ClassVar[str] = "vllm"
     needs: ClassVar[str] = ("vLLM's CUTLASS MLA decode kernel (sm100_cutlass_mla_decode, compiled into vLLM's "
                             "own CUDA extension vllm._C; Blackwell sm_100 only, 128 query heads): it ships only "
                             "inside a vLLM build, which vattn cannot install as a kernel library")
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return unservable_impl(CutlassMLABackend)

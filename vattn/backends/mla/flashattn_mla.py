@@ -15,7 +15,6 @@ log-sum-exp is a natural log (+inf for a row without keys, which the merge treat
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import importlib
 import inspect

@@ -17,7 +17,6 @@ Kernel sizes: FlashInfer's MLA kernels take ``kv_lora_rank`` 512 and ``qk_rope_h
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import math
 from typing import Any

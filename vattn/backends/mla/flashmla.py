@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import ClassVar
 
-from vattn.core.interface import AttentionImpl
-from vattn.backends.mla.unservable import UnservableMLABackend, unservable_impl
+from vattn.backends.mla.unservable import UnservableMLABackend
 
 __all__ = ["FlashMLABackend"]
 
@@ -16,17 +14,12 @@ class FlashMLABackend(UnservableMLABackend):
     """FlashMLA (``flash_mla_with_kvcache``): not runnable with this vattn; ``is_available`` says why."""
 
     name = "FLASHMLA"
-    capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
-        min_compute_capability=(9, 0), notes={"gpus": "flash_mla, not installable"},
-    )
+    capabilities = dataclasses.replace(UnservableMLABackend.capabilities, min_compute_capability=(9, 0),
+                                       notes={"gpus": "flash_mla, not installable"})
     library: ClassVar[str] = "flash_mla"
     needs: ClassVar[str] = ("DeepSeek's FlashMLA kernels (the flash_mla package of github.com/deepseek-ai/FlashMLA, "
                             "sm_90 / sm_100, block size 64): it compiles its CUDA kernels from source when installed "
                             "(nvcc and a CUDA toolkit matching torch), so vattn cannot install it")
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return unservable_impl(FlashMLABackend)
 
     @classmethod
     def get_supported_block_sizes(cls) -> tuple[int, ...]:

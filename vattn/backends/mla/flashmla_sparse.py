@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import ClassVar
 
-from vattn.core.interface import AttentionImpl
-from vattn.backends.mla.unservable import UnservableMLABackend, unservable_impl
+from vattn.backends.mla.unservable import UnservableMLABackend
 
 __all__ = ["FlashMLASparseBackend"]
 
@@ -17,9 +15,8 @@ class FlashMLASparseBackend(UnservableMLABackend):
     with this vattn; ``is_available`` says why."""
 
     name = "FLASHMLA_SPARSE"
-    capabilities = dataclasses.replace(UnservableMLABackend.capabilities,
-        sparse=True, min_compute_capability=(9, 0), notes={"gpus": "flash_mla, not installable"},
-    )
+    capabilities = dataclasses.replace(UnservableMLABackend.capabilities, sparse=True, min_compute_capability=(9, 0),
+                                       notes={"gpus": "flash_mla, not installable"})
     library: ClassVar[str] = "flash_mla"
     needs: ClassVar[str] = ("FlashMLA's sparse kernels (flash_mla_sparse_fwd and the sparse decode of the flash_mla "
                             "package, github.com/deepseek-ai/FlashMLA, sm_90 / sm_100) and the top-k indexer of "
@@ -27,10 +24,6 @@ class FlashMLASparseBackend(UnservableMLABackend):
                             "installed, so vattn cannot install it, and vattn.MLAAttention "
                             "runs no indexer")
     instead: ClassVar[str] = "run the model's dense MLA (use_sparse=False) on FLASHINFER_MLA or TRITON_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return unservable_impl(FlashMLASparseBackend)
 
     @classmethod
     def get_supported_block_sizes(cls) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ it looks the library up without importing it. Constructing their impl raises the
 from __future__ import annotations
 
 import dataclasses
-
 import importlib.util
 from typing import Any, ClassVar
 
@@ -33,9 +32,7 @@ class UnservableMLABackend(MLACommonBackend):
     name looked up), ``needs`` (what the kernels are and why vattn cannot install them)."""
 
     builder_cls = MLACommonMetadataBuilder
-    capabilities = dataclasses.replace(MLACommonBackend.capabilities,
-        installable=False, head_sizes=(576,),
-    )
+    capabilities = dataclasses.replace(MLACommonBackend.capabilities, installable=False, head_sizes=(576,))
     library: ClassVar[str] = ""
     needs: ClassVar[str] = ""
     instead: ClassVar[str] = _INSTEAD
@@ -50,6 +47,10 @@ class UnservableMLABackend(MLACommonBackend):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return False, cls.reason()
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return unservable_impl(cls)
 
 
 def unservable_impl(backend: type[UnservableMLABackend]) -> type[AttentionImpl]:

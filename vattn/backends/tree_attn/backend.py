@@ -8,7 +8,6 @@ each step's draft trees as the base mask, narrowed by the user's mods.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +72,7 @@ class TreeAttentionBackend(FlexAttentionBackend):
     name = "TREE_ATTN"
     impl_cls = TreeAttentionImpl
     builder_cls = TreeAttentionMetadataBuilder
-    capabilities = dataclasses.replace(FlexAttentionBackend.capabilities,
-        tree_parents=True,
-        notes={**FlexAttentionBackend.feature_notes,
-                         "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for chains of draft tokens"},
-    )
+    capabilities = dataclasses.replace(FlexAttentionBackend.capabilities, tree_parents=True, notes={
+        **FlexAttentionBackend.feature_notes,
+        "runs_on_cpu": "slow (a reference path); TORCH_SDPA is far faster for chains of draft tokens",
+    })

@@ -16,7 +16,6 @@ The store of the new latent rows is ``vattn.ops.mla.store_latent`` (a Triton ker
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 from typing import Any
 
