@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -132,25 +132,21 @@ class PagedKVCache:
         Every step's checks run here, before anything is written: ``common`` itself (again if a
         field was replaced or edited in place since construction) and what each group's backend
         can honour (``tree_parents``)."""
-        checks = self.check(common)
-        self._check_trees(common)
-        if self.states:
-            self._check_state_indices(common)
-        out: dict[str, AttentionMetadata] = {}
-        for g in self.groups:
-            md = g.builder.build(common_prefix_len, common, fast_build=fast_build)
-            md.checks = checks
-            out.update(dict.fromkeys(g.layer_names, md))
-        return out
+        return self._build(common, lambda b: b.build(common_prefix_len, common, fast_build=fast_build))
 
     def build_metadata_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> dict[str, AttentionMetadata]:
+        """As ``build_metadata``, through each builder's ``build_for_cudagraph_capture``."""
+        return self._build(common, lambda b: b.build_for_cudagraph_capture(common))
+
+    def _build(self, common: CommonAttentionMetadata,
+               build_one: Callable[[AttentionMetadataBuilder], AttentionMetadata]) -> dict[str, AttentionMetadata]:
         checks = self.check(common)
         self._check_trees(common)
         if self.states:
             self._check_state_indices(common)
         out: dict[str, AttentionMetadata] = {}
         for g in self.groups:
-            md = g.builder.build_for_cudagraph_capture(common)
+            md = build_one(g.builder)
             md.checks = checks
             out.update(dict.fromkeys(g.layer_names, md))
         return out
@@ -173,13 +169,10 @@ class PagedKVCache:
         """Whether every group's builder allows this batch inside a full CUDA graph."""
         return all(g.builder.can_run_in_cudagraph(common) for g in self.groups)
 
-    def common_metadata(
-        self,
-        query_lens: Sequence[int] | torch.Tensor,
-        num_computed_tokens: Sequence[int] | torch.Tensor,
-        block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
-        **kwargs: Any,
-    ) -> CommonAttentionMetadata:
+    def common_metadata(self, query_lens: Sequence[int] | torch.Tensor,
+                        num_computed_tokens: Sequence[int] | torch.Tensor,
+                        block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
+                        **kwargs: Any) -> CommonAttentionMetadata:
         """``build_common_attn_metadata`` with this cache's block size, device and block-id bound
         (``block_tables=None`` for a model of mixer layers only)."""
         device = self.device or torch.device("cpu")
@@ -230,14 +223,8 @@ def _allocate_one(backend: type[AttentionBackend], spec: AttentionSpec, num_bloc
     return raw.permute(*inverse)
 
 
-def allocate_kv_cache(
-    config: VattnConfig | None = None,
-    num_blocks: int = 1024,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
-    *,
-    num_state_slots: int | None = None,
-) -> PagedKVCache:
+def allocate_kv_cache(config: VattnConfig | None = None, num_blocks: int = 1024, device: torch.device | str = "cpu",
+                      dtype: torch.dtype | None = None, *, num_state_slots: int | None = None) -> PagedKVCache:
     """Allocate a paged KV cache for every attention layer of ``config`` and bind it.
 
     Each layer's cache follows its spec (``get_kv_cache_spec``): ``vattn.Attention`` layers get

@@ -14,7 +14,6 @@ from vattn.core.enums import AttentionType
 from vattn.core.interface import AttentionBackend, AttentionLayerBase
 from vattn.core.metadata import is_fp8_kv_cache
 from vattn.core.checks import check_layer_args, check_mods, validate_kv_sharing_target
-from vattn.core.registry import AttentionBackendEnum
 from vattn.core.config import CACHE_DTYPES, CacheConfig, get_current_vattn_config
 from vattn.ops.attention import run_layer
 from vattn.ops.kv_store import fp8_dtype_for
@@ -367,14 +366,6 @@ class Attention(nn.Module, AttentionLayerBase):
                 raise ValueError(f"{self.layer_name}: {name[1:]} must be > 0, got {val}.")
             getattr(self, name).fill_(float(val))
             setattr(self, name + "_float", float(val))
-
-    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        if self.quant_method is not None:
-            self.quant_method.process_weights_after_loading(self)
-        self.impl.process_weights_after_loading(act_dtype)
-
-    def get_attn_backend(self) -> type[AttentionBackend]:
-        return self.attn_backend
 
     def extra_repr(self) -> str:
         return (

@@ -217,14 +217,6 @@ class MLAAttention(nn.Module, AttentionLayerBase):
         self._k_scale.fill_(float(k_scale))
         self._k_scale_float = float(k_scale)
 
-    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        if self.quant_method is not None:
-            self.quant_method.process_weights_after_loading(self)
-        self.impl.process_weights_after_loading(act_dtype)
-
-    def get_attn_backend(self) -> type[AttentionBackend]:
-        return self.attn_backend
-
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, qk_nope_head_dim={self.qk_nope_head_dim}, "
                 f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}, "

@@ -45,11 +45,15 @@ class Capabilities:
     output_quant: bool = False
     """Writes fp8 output given ``output_scale``."""
     sink: bool = False
+    """Per-head attention sinks (``Attention(sinks=...)``)."""
     mla: bool = False
+    """Serves MLA layers (``vattn.MLAAttention``), and only those."""
     sparse: bool = False
+    """Serves sparse MLA (an indexer's top-k tokens)."""
     sliding_window: bool = False
     logits_soft_cap: bool = False
     alibi: bool = False
+    """Layer features: a sliding window, a logits soft cap, ALiBi slopes."""
     mask_mod: bool = False
     """Takes a layer's FlexAttention ``mask_mod``."""
     score_mod: bool = False

@@ -8,6 +8,7 @@ expected, what arrived, and what to do. What a batch must satisfy against a KV c
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 from typing import Any
@@ -19,7 +20,7 @@ from vattn import envs
 from vattn.core.batch_checks import fail
 
 
-__all__ = ["check_layer_args", "check_mods", "e4m3_cache_reasons",
+__all__ = ["check_layer_args", "check_mods", "e4m3_cache_reasons", "library_availability",
            "fail", "triton_availability"]
 
 def _is_int(v: Any) -> bool:
@@ -134,6 +135,18 @@ def triton_availability(name: str) -> tuple[bool, str]:
         return True, ""
     return False, (f"{name} needs a CUDA GPU, or TRITON_INTERPRET=1 to run its kernels on CPU through the "
                    "Triton interpreter (slow; for tests)")
+
+
+def library_availability(name: str, module: str, install: str) -> tuple[bool, str]:
+    """``(ok, reason)`` of backend ``name`` whose kernels come from ``module`` on a CUDA GPU
+    (imported here: a broken install fails now, with its error, not at the first step)."""
+    if not torch.cuda.is_available():
+        return False, f"{name} needs a CUDA GPU and none is visible"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a broken CUDA/JIT setup raising at import
+        return False, f"{module} is not importable ({type(e).__name__}: {e}); {install}"
+    return True, ""
 
 
 def e4m3_cache_reasons(kv_cache_dtype: str | None) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 
 from vattn.core.batch_checks import unchecked_block_limit
 from vattn.core.capabilities import LEGACY_NAMES, Capabilities
+from vattn.core.checks import e4m3_cache_reasons
 from vattn.core.config import CACHE_DTYPES
 from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.core.layout import check_kv_cache_shape_args, paged_kv_stride_order
@@ -149,7 +150,7 @@ class AttentionBackend(ABC, metaclass=_BackendMeta):
                                block_size: int, use_mla: bool = False, has_sink: bool = False,
                                use_sparse: bool = False) -> list[str]:
         """Every reason this backend cannot serve the configuration (empty: it can), by
-        ``is_available`` and its declarations."""
+        ``is_available``, its declarations, and an e4m3 cache on a GPU older than compute capability 8.9."""
         caps = cls.capabilities
         reasons: list[str] = []
         ok, why = cls.is_available()
@@ -171,6 +172,8 @@ class AttentionBackend(ABC, metaclass=_BackendMeta):
         block_sizes = cls.get_supported_block_sizes()
         if block_sizes is not None and block_size not in block_sizes:
             reasons.append(f"block_size {block_size} not in {list(block_sizes)}")
+        if kv in caps.kv_cache_dtypes:
+            reasons += e4m3_cache_reasons(kv)  # vattn's KV store writes e4m3 on compute capability 8.9+
         for wanted, served, what in ((use_mla, caps.mla, "MLA not supported"), (not use_mla, not caps.mla,
                                      "only serves MLA models"), (has_sink, caps.sink, "attention sinks not supported"),
                                      (use_sparse, caps.sparse, "sparse attention not supported")):
@@ -366,12 +369,20 @@ class AttentionLayerBase(ABC):
     config's static forward context."""
 
     impl: "AttentionImpl"
+    attn_backend: type[AttentionBackend]
+    quant_method: Any = None
     layer_name: str
     kv_cache: list[torch.Tensor]
 
-    @abstractmethod
     def get_attn_backend(self) -> type[AttentionBackend]:
         """The backend class this layer runs."""
+        return self.attn_backend
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """After the checkpoint is loaded: the quant method's and the impl's conversions."""
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+        self.impl.process_weights_after_loading(act_dtype)
 
     def get_kv_cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         """The layer's cache spec storing ``dtype`` (``allocate_kv_cache`` groups layers by it)."""

@@ -70,25 +70,9 @@ Modules: ``policy`` (sizes, mode downgrades, the dispatcher, padding: pure, CPU-
 from __future__ import annotations
 
 from vattn.cudagraph.inputs import GraphInput
-from vattn.cudagraph.policy import (
-    BatchDescriptor,
-    bucket_size,
-    choose_runtime_mode,
-    is_uniform_decode,
-    pad_common_attn_metadata,
-    resolve_capture_sizes,
-    resolve_cudagraph_mode,
-)
+from vattn.cudagraph.policy import (BatchDescriptor, bucket_size, choose_runtime_mode, is_uniform_decode,
+                                    pad_common_attn_metadata, resolve_capture_sizes, resolve_cudagraph_mode)
 from vattn.cudagraph.runner import CUDAGraphRunner
 
-__all__ = [
-    "BatchDescriptor",
-    "CUDAGraphRunner",
-    "GraphInput",
-    "bucket_size",
-    "choose_runtime_mode",
-    "is_uniform_decode",
-    "pad_common_attn_metadata",
-    "resolve_capture_sizes",
-    "resolve_cudagraph_mode",
-]
+__all__ = ["BatchDescriptor", "CUDAGraphRunner", "GraphInput", "bucket_size", "choose_runtime_mode",
+           "is_uniform_decode", "pad_common_attn_metadata", "resolve_capture_sizes", "resolve_cudagraph_mode"]

@@ -21,16 +21,8 @@ from vattn.core.enums import AttentionCGSupport
 from vattn.core.metadata import CommonAttentionMetadata
 from vattn.core.config import CUDAGraphMode, VattnConfig, _default_capture_sizes
 
-__all__ = [
-    "FULL_MODES",
-    "BatchDescriptor",
-    "bucket_size",
-    "choose_runtime_mode",
-    "is_uniform_decode",
-    "pad_common_attn_metadata",
-    "resolve_capture_sizes",
-    "resolve_cudagraph_mode",
-]
+__all__ = ["FULL_MODES", "BatchDescriptor", "bucket_size", "choose_runtime_mode", "is_uniform_decode",
+           "pad_common_attn_metadata", "resolve_capture_sizes", "resolve_cudagraph_mode"]
 
 logger = logging.getLogger("vattn.cudagraph")
 M = CUDAGraphMode

@@ -23,16 +23,9 @@ from vattn.compile_passes import piecewise as _piecewise
 from vattn.compile_passes.piecewise import PiecewiseRun, piecewise_run, weak_ref_tensor
 from vattn.core.config import CUDAGraphMode, VattnConfig
 from vattn.cudagraph.inputs import GraphInput, InputBuffers, check_inputs, resolve_inputs, split_call_args
-from vattn.cudagraph.policy import (
-    FULL_MODES,
-    BatchDescriptor,
-    bucket_size,
-    choose_runtime_mode,
-    is_uniform_decode,
-    pad_common_attn_metadata,
-    resolve_capture_sizes,
-    resolve_cudagraph_mode,
-)
+from vattn.cudagraph.policy import (FULL_MODES, BatchDescriptor, bucket_size, choose_runtime_mode,
+                                    is_uniform_decode, pad_common_attn_metadata, resolve_capture_sizes,
+                                    resolve_cudagraph_mode)
 from vattn.forward_context import set_forward_context
 from vattn.kv_cache import PagedKVCache
 

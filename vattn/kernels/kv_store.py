@@ -23,15 +23,12 @@ _FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}
 
 
 @triton.jit
-def _store_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr,
-    num_slots, stride_rope, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_ROUND_FIX: tl.constexpr, ROPE: tl.constexpr = False,
-):
+def _store_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, cos_ptr,
+                     sin_ptr, num_slots, stride_rope, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
+                     stride_vd, stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch,
+                     stride_vcd, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+                     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                     FP8_ROUND_FIX: tl.constexpr, ROPE: tl.constexpr = False):
     """One program per (token, group of BLOCK_H heads): copies a (BLOCK_H, D) tile of K and V.
     Slots outside ``[0, num_slots)`` are skipped: padding (< 0), or a hand-built slot mapping
     past the cache, which must not fault the GPU (``VATTN_DEBUG_CHECKS=1`` rejects it).
@@ -79,17 +76,9 @@ def _cache_view(cache: torch.Tensor, kv_cache_dtype: str, name: str) -> torch.Te
     return cache
 
 
-def triton_store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``key``/``value`` rows into the paged caches at ``slot_mapping`` (no host sync).
 
     | tensor | shape | notes |

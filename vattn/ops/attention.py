@@ -35,16 +35,9 @@ _NO_CACHE = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
 # ---- attention ------------------------------------------------------------------------
 
 
-def run_layer(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    output: torch.Tensor | None,
-    layer_name: str,
-    output_scale: torch.Tensor | None = None,
-    rope_cos: torch.Tensor | None = None,
-    rope_sin: torch.Tensor | None = None,
-) -> torch.Tensor:
+def run_layer(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, output: torch.Tensor | None,
+              layer_name: str, output_scale: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
+              rope_sin: torch.Tensor | None = None) -> torch.Tensor:
     ctx = get_forward_context()
     layer = ctx.layer(layer_name)
     attn_metadata = ctx.metadata_for(layer_name)
@@ -180,16 +173,9 @@ def _dtype_mismatch(layer: Any, query: torch.Tensor, key: torch.Tensor, kv_cache
     )
 
 
-def unified_attention_with_output(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    output: torch.Tensor,
-    layer_name: str,
-    output_scale: torch.Tensor | None = None,
-    rope_cos: torch.Tensor | None = None,
-    rope_sin: torch.Tensor | None = None,
-) -> None:
+def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                                  output: torch.Tensor, layer_name: str, output_scale: torch.Tensor | None = None,
+                                  rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None) -> None:
     """Attention of layer ``layer_name`` written into ``output`` (T, H, D); see ``vattn.Attention``."""
     run_layer(query, key, value, output, layer_name, output_scale, rope_cos, rope_sin)
 
@@ -209,16 +195,11 @@ def check_traced(query: torch.Tensor, key: torch.Tensor | None, value: torch.Ten
             check_rope(rope_cos, rope_sin, query, layer.head_size, layer_name)
 
 
-def _unified_attention_with_output_fake(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    output: torch.Tensor,
-    layer_name: str,
-    output_scale: torch.Tensor | None = None,
-    rope_cos: torch.Tensor | None = None,
-    rope_sin: torch.Tensor | None = None,
-) -> None:
+def _unified_attention_with_output_fake(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                                        output: torch.Tensor, layer_name: str,
+                                        output_scale: torch.Tensor | None = None,
+                                        rope_cos: torch.Tensor | None = None,
+                                        rope_sin: torch.Tensor | None = None) -> None:
     check_traced(query, key, value, layer_name, rope_cos, rope_sin)
 
 
@@ -257,15 +238,8 @@ register_op(
 # ---- fp8 scales -----------------------------------------------------------------------
 
 
-def maybe_calc_kv_scales(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    layer_name: str,
-) -> None:
+def maybe_calc_kv_scales(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_scale: torch.Tensor,
+                         k_scale: torch.Tensor, v_scale: torch.Tensor, layer_name: str) -> None:
     """Compute the layer's fp8 q/k/v scales from this batch, once (writes the three scale tensors)."""
     ctx = get_forward_context()
     layer = ctx.layer(layer_name)
@@ -274,15 +248,8 @@ def maybe_calc_kv_scales(
     layer.calc_kv_scales(query, key, value)
 
 
-def _maybe_calc_kv_scales_fake(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    layer_name: str,
-) -> None:
+def _maybe_calc_kv_scales_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_scale: torch.Tensor,
+                               k_scale: torch.Tensor, v_scale: torch.Tensor, layer_name: str) -> None:
     return None
 
 

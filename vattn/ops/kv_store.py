@@ -58,16 +58,8 @@ def valid_slots(slot_mapping: torch.Tensor, num_rows: int) -> tuple[torch.Tensor
     return slots[valid], valid.nonzero().squeeze(1)
 
 
-def store_rows(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slots: torch.Tensor,
-    rows: torch.Tensor | None,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-) -> None:
+def store_rows(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slots: torch.Tensor, rows: torch.Tensor | None, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """The torch write of ``store_kv``, for slots already filtered (``valid_slots``): rows
     ``rows`` of key/value (T, Hk, D) (None: the first ``len(slots)``) go to ``slots`` (int64,
     all >= 0). TORCH_SDPA's metadata computes (slots, rows) once per step on the CPU."""
@@ -97,17 +89,9 @@ def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, 
             cache[slots // cache.shape[1], slots % cache.shape[1]] = x
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``key``/``value`` rows into the paged cache at ``slot_mapping``.
 
     | tensor | shape |
@@ -136,30 +120,16 @@ def store_kv(
 # ---- KV-cache write -------------------------------------------------------------------
 
 
-def reshape_and_cache_flash(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-) -> None:
+def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                            k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Write key/value (T, Hk, D) into key_cache/value_cache (num_blocks, block_size, Hk, D) at slot_mapping."""
     store_kv(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
-def _reshape_and_cache_flash_fake(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-) -> None:
+def _reshape_and_cache_flash_fake(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                  value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                                  k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     return None
 
 

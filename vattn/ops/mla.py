@@ -66,14 +66,9 @@ register_op("concat_and_cache_mla", concat_and_cache_mla, mutates_args=["kv_cach
             fake_impl=_concat_and_cache_mla_fake)
 
 
-def unified_mla_attention_with_output(
-    q: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    k_pe: torch.Tensor,
-    output: torch.Tensor,
-    layer_name: str,
-    output_scale: torch.Tensor | None = None,
-) -> None:
+def unified_mla_attention_with_output(q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                                      output: torch.Tensor, layer_name: str,
+                                      output_scale: torch.Tensor | None = None) -> None:
     """MLA of layer ``layer_name`` written into ``output`` (T, H, v_head_dim); see ``vattn.MLAAttention``.
 
     | tensor | shape |
@@ -95,14 +90,9 @@ def unified_mla_attention_with_output(
     layer.impl.forward(layer, q, kv_c_normed, k_pe, kv_cache, md, output=output, output_scale=output_scale)
 
 
-def _unified_mla_attention_with_output_fake(
-    q: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    k_pe: torch.Tensor,
-    output: torch.Tensor,
-    layer_name: str,
-    output_scale: torch.Tensor | None = None,
-) -> None:
+def _unified_mla_attention_with_output_fake(q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                                            output: torch.Tensor, layer_name: str,
+                                            output_scale: torch.Tensor | None = None) -> None:
     check_traced(q, kv_c_normed, k_pe, layer_name)
 
 

@@ -7,8 +7,8 @@ import functools
 import torch
 
 from vattn.core.capabilities import Capabilities
+from vattn.core.checks import library_availability
 from vattn.core.interface import AttentionBackend
-from vattn.core.checks import e4m3_cache_reasons
 from vattn.backends.flashinfer.impl import SUPPORTED_ATTN_TYPES, FlashInferImpl
 from vattn.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder
 from vattn.core.layout import check_kv_cache_shape_args
@@ -18,13 +18,7 @@ __all__ = ["FlashInferBackend"]
 
 @functools.lru_cache(maxsize=1)
 def _availability() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "FLASHINFER needs a CUDA GPU and none is visible"
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as e:  # ImportError, or a broken CUDA/JIT setup raising at import
-        return False, f"flashinfer is not importable ({type(e).__name__}: {e}); pip install flashinfer-python"
-    return True, ""
+    return library_availability("FLASHINFER", "flashinfer", "pip install flashinfer-python")
 
 
 class FlashInferBackend(AttentionBackend):
@@ -76,4 +70,4 @@ class FlashInferBackend(AttentionBackend):
             cap = torch.cuda.get_device_capability()
             if dtype == torch.bfloat16 and cap < (8, 0):
                 reasons.append(f"bfloat16 needs compute capability 8.0, this GPU has {cap[0]}.{cap[1]}; use float16")
-        return reasons + e4m3_cache_reasons(kv_cache_dtype)
+        return reasons

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vattn.core.checks import library_availability
 from vattn.core.metadata import CommonAttentionMetadata
 from vattn.backends.flashinfer.paging import fenced_plan, gather_page_indices, paged_kv_layout, workspace
 from vattn.backends.mla.common import (
@@ -43,13 +44,7 @@ _PREFILL_DIMS = frozenset({(192, 128), (64, 64), (128, 128), (256, 256)})
 
 @functools.lru_cache(maxsize=1)
 def _availability() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "FLASHINFER_MLA needs a CUDA GPU and none is visible"
-    try:
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
-    except Exception as e:  # ImportError, or a broken CUDA/JIT setup raising at import
-        return False, f"flashinfer.mla is not importable ({type(e).__name__}: {e}); pip install flashinfer-python"
-    return True, ""
+    return library_availability("FLASHINFER_MLA", "flashinfer.mla", "pip install flashinfer-python")
 
 
 class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):

@@ -26,7 +26,7 @@ import torch
 
 from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend
-from vattn.core.checks import e4m3_cache_reasons, triton_availability
+from vattn.core.checks import triton_availability
 from vattn.backends.triton.impl import SUPPORTED_ATTN_TYPES, TritonAttentionImpl
 from vattn.backends.triton.metadata import TritonAttentionMetadata, TritonAttentionMetadataBuilder
 from vattn.core.config import CACHE_DTYPES
@@ -57,11 +57,3 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return triton_availability("TRITON_ATTN")
-
-    @classmethod
-    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
-                               block_size: int, use_mla: bool = False, has_sink: bool = False,
-                               use_sparse: bool = False) -> list[str]:
-        """The declarations' reasons, and an e4m3 cache on a GPU older than compute capability 8.9."""
-        return super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-                                              use_sparse) + e4m3_cache_reasons(kv_cache_dtype)

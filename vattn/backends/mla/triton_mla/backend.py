@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from vattn.core.metadata import CommonAttentionMetadata
-from vattn.core.checks import e4m3_cache_reasons, triton_availability
+from vattn.core.checks import triton_availability
 from vattn.backends.mla.common import MLACommonBackend, MLACommonMetadataBuilder, MLADecodeMetadata
 from vattn.backends.mla.impl import MLACommonImpl
 from vattn.backends.mla.triton_mla.config import (
@@ -124,11 +124,3 @@ class TritonMLABackend(MLACommonBackend):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return triton_availability("TRITON_MLA")
-
-    @classmethod
-    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
-                               block_size: int, use_mla: bool = False, has_sink: bool = False,
-                               use_sparse: bool = False) -> list[str]:
-        """The declarations' reasons, and an e4m3 cache on a GPU older than compute capability 8.9."""
-        return super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-                                              use_sparse) + e4m3_cache_reasons(kv_cache_dtype)
