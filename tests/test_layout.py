@@ -1,4 +1,5 @@
-"""The library's layout rules (tools/layout_check.py): no import cycle inside vattn, no
+"""The library's layout rules (tools/layout_check.py): no import cycle inside vattn (type-only
+imports counted), the floor plan (at most two imports running back up), no
 non-kernel module over 400 lines, no measured figure in vattn's docstrings and comments, and
 importing vattn pulls in no optional library and no Inductor internals."""
 
@@ -29,6 +30,40 @@ def test_the_cycle_check_sees_function_local_imports(tmp_path, monkeypatch) -> N
     monkeypatch.setattr(layout_check, "ROOT", tmp_path)
     monkeypatch.setattr(layout_check, "PACKAGE", pkg)
     assert layout_check.import_cycles() == [["vattn.a", "vattn.b"]]
+
+
+def test_the_cycle_check_counts_type_only_imports(tmp_path, monkeypatch) -> None:
+    """An import under ``if TYPE_CHECKING:`` still ties the modules together."""
+    pkg = tmp_path / "vattn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from vattn import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vattn.a import x\n")
+    monkeypatch.setattr(layout_check, "ROOT", tmp_path)
+    monkeypatch.setattr(layout_check, "PACKAGE", pkg)
+    assert layout_check.import_cycles() == [["vattn.a", "vattn.b"]]
+
+
+def test_floor_plan_holds() -> None:
+    """Every unit of vattn is on the floor plan, and at most ``MAX_BACK_EDGES`` imports run back
+    up it (the core imports nothing above it)."""
+    assert layout_check.units_off_plan() == []
+    assert len(layout_check.back_edges()) <= layout_check.MAX_BACK_EDGES, layout_check.back_edges()
+    graph = layout_check.unit_graph()
+    floors = layout_check.floor_of()
+    assert all(floors[b] <= floors["core"] for b in graph["core"]), graph["core"]
+
+
+def test_back_edges_are_found(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "vattn"
+    (pkg / "core").mkdir(parents=True)
+    for f in ("__init__.py", "core/__init__.py", "envs.py"):
+        (pkg / f).write_text("")
+    (pkg / "core" / "x.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vattn import layer\n")
+    (pkg / "layer.py").write_text("from vattn.core import x\n")
+    monkeypatch.setattr(layout_check, "ROOT", tmp_path)
+    monkeypatch.setattr(layout_check, "PACKAGE", pkg)
+    assert layout_check.back_edges() == [("core", "layer")]
 
 
 def test_modules_are_small_except_kernel_files() -> None:

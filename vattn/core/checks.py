@@ -1,9 +1,17 @@
-"""Host-side checks of what users pass to the backend interface (no device sync).
+"""Construction-time checks: what a layer and a backend configuration must satisfy (no device sync).
 
-Each failure raises ``ValueError`` (``TypeError`` for a wrong type) naming the field, what was
-expected, what arrived, and what to do. What a batch must satisfy against a KV cache is in
-``vattn.core.batch_checks``; device-side checks (``VATTN_DEBUG_CHECKS=1``) in
-``vattn.core.debug_checks``.
+Each failure raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument, what
+was expected, what arrived, and what to do. Where validation lives, level by level:
+
+| level | what is checked | where | when | cost |
+| --- | --- | --- | --- | --- |
+| layer | head counts, scale, soft cap, window, ALiBi slopes, KV sharing target, FlexAttention mods | here (``check_layer_args``, ``check_mods``, ``validate_kv_sharing_target``) | ``vattn.Attention(...)`` | once per layer |
+| backend | dtype, cache dtype, head and block size, features, GPU generation, library | ``AttentionBackend.validate_configuration`` / ``feature_reasons`` (from ``Capabilities``) | selection | once per configuration (cached) |
+| impl | attention type, cache dtype, ALiBi and sinks per head, KV heads | ``AttentionImpl.__init__`` (+ the impl's own) | construction | once per layer |
+| batch | fields, host mirrors | ``vattn.core.metadata`` | ``CommonAttentionMetadata(...)`` | host, O(B) once per batch |
+| batch x cache | slot mapping, block table, sequence lengths against the cache | ``vattn.core.batch_checks.StepChecks`` | ``PagedKVCache.build_metadata`` | once per step per cache geometry |
+| call | metadata kind, token counts, the bound cache, output_scale | ``vattn.ops.attention.check_call`` / ``run_layer`` | every op call | host, a few attribute reads |
+| device | contents of device tensors of hand-built metadata | ``vattn.core.debug_checks`` | ``VATTN_DEBUG_CHECKS=1`` | device syncs: debugging only |
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Validation of a batch lives here, at the level where the batch is made:
 
 Construction also fills ``slot_mapping[num_slot_tokens:]`` with -1, so padded tokens never
 touch the cache. What a layer's arguments and a backend's configuration must satisfy is in
-``vattn.core.checks``; what the attention op checks per call in ``vattn.ops.guards``.
+``vattn.core.checks`` (its table covers every level); what the attention op checks per call
+in ``vattn.ops.attention.check_call``.
 """
 
 from __future__ import annotations

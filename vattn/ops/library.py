@@ -3,6 +3,23 @@
 ``register_op`` defines an op from its Python implementation's type hints, registers that
 implementation for every device (``CompositeExplicitAutograd``: opaque to autograd and
 Dynamo) and its fake right after it. No decorator machinery sits on the call path.
+
+The road of one attention call is layer -> ``torch.ops.vattn.*`` (dispatcher) -> the op's
+Python implementation (``vattn.ops.attention.run_layer``: checks, output, K/V store) -> the
+impl. Beside it run measured shortcuts, each skipping host work that cannot change the
+result; this is their map (each lives where the work it skips is):
+
+| shortcut | skips | applies when | where |
+| --- | --- | --- | --- |
+| ``eager_direct_ok`` | the dispatcher (layer -> op implementation) | eager calls, nothing tracing, no autograd recording | here; ``vattn.Attention.forward`` |
+| ``python_impl`` / ``direct_op_call`` | ``nn.Module.__call__`` and the dispatcher between compiled pieces | ``vattn.compile``'s split graph, at run time | here; ``vattn.compile_passes.split`` |
+| ``DirectDispatch`` | Dynamo's frame hook and guard evaluation | a compiled model called with a call signature seen before | ``vattn.compile_passes.dispatch`` |
+| ``StepChecks`` memo | re-checking a batch against a cache | the same step and cache geometry again (every layer after the first) | ``vattn.core.batch_checks`` |
+| ``FastLaunch`` | Triton's argument binding and specialization | vattn's own Triton launches | ``vattn.kernels.launch`` |
+| ``LaunchPlan`` | everything but the launch itself | TRITON_ATTN layers after the first of an eager step (same shapes) | ``vattn.kernels.launch``; ``TritonAttentionImpl`` |
+
+Each has a switch back to the road for debugging: ``VATTN_COMPILE_CHECK_GUARDS=1`` (Dynamo on
+every call), ``VATTN_DEBUG_CHECKS=1`` (device checks of hand-built metadata).
 """
 
 from __future__ import annotations
