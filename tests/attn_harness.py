@@ -16,6 +16,10 @@ Typical use::
 
 With hypothesis: ``@given(spec=batch_specs())``.
 
+Through the real layer and op, any backend (``check_layer_step``, ``check_graph_replays``)::
+
+    check_layer_step("TRITON_ATTN", make_random_batch(spec), sliding_window=8)
+
 Conventions (the contracts in notes/COMMON.md): the KV cache has logical shape
 ``(2, num_blocks, block_size, Hk, D)``, physical layout NHD or HND; ``slot = block *
 block_size + offset``; slots < 0 are padding; query head ``h`` reads KV head
@@ -24,9 +28,10 @@ block_size + offset``; slots < 0 are padding; query head ``h`` reads KV head
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -34,17 +39,37 @@ from vattn.core.metadata import CommonAttentionMetadata
 
 __all__ = [
     "BatchSpec",
+    "DECODES",
     "FakeLayer",
+    "LayerStep",
+    "MIXED",
+    "PAGED_ORDERS",
+    "PREFILLS",
     "RandomBatch",
+    "STAND_IN_STEPS",
+    "STEPS",
     "TOLERANCES",
     "assert_close",
+    "assert_no_host_sync",
+    "attention_layer",
     "batch_specs",
     "cache_torch_dtype",
     "check_cache_untouched",
     "check_cache_written",
+    "check_graph_replays",
+    "check_layer_step",
+    "harness_view",
     "kv_round_trip",
+    "layer_features",
     "make_random_batch",
+    "nonzero_randn",
+    "padded_step",
     "reference_attention",
+    "run_layer_step",
+    "shuffled_block_tables",
+    "skip_unless_served",
+    "slots_of",
+    "stride_orders",
     "tree_allowed",
 ]
 
@@ -65,6 +90,63 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (2e-2, 2e-2),
 }
+
+
+#: Step shapes (``BatchSpec`` context_lens / query_lens): decodes first, then chunked prefills
+#: with and without context; odd lengths, partial last blocks.
+MIXED: dict[str, tuple[int, ...]] = dict(context_lens=(0, 37, 100, 5, 64, 0), query_lens=(1, 1, 1, 1, 23, 40))
+DECODES: dict[str, tuple[int, ...]] = dict(context_lens=(15, 16, 17, 300, 1), query_lens=(1, 1, 1, 1, 1))
+PREFILLS: dict[str, tuple[int, ...]] = dict(context_lens=(0, 0, 33), query_lens=(70, 5, 17))
+#: Named variants of those steps, as ``BatchSpec`` keywords (the test gives the rest of the geometry).
+STEPS: dict[str, dict[str, Any]] = {
+    "mixed": dict(MIXED),
+    "decode-padded": dict(**DECODES, num_pad_tokens=3),
+    "prefill": dict(PREFILLS),
+    "mixed-HND": dict(**MIXED, layout="HND"),
+    "mixed-block1": dict(**MIXED, block_size=1),
+    "mixed-block64-gqa4": dict(**MIXED, block_size=64, num_heads=32, num_kv_heads=8),
+    "mixed-mha": dict(**MIXED, num_heads=8, num_kv_heads=8),
+    "mixed-d64": dict(**MIXED, head_size=64),
+    "mixed-d256": dict(**MIXED, head_size=256),
+    "mixed-fp16": dict(**MIXED, dtype=torch.float16),
+    "mixed-fp8": dict(**MIXED, kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.03),
+}
+#: The steps that torch stand-ins of kernel libraries run on the CPU (test_flash_attn, test_flashinfer).
+STAND_IN_STEPS = ("mixed", "decode-padded", "prefill", "mixed-HND", "mixed-block1", "mixed-fp8")
+
+
+def layer_features(num_heads: int, device: str | torch.device = "cpu") -> dict[str, dict[str, Any]]:
+    """The layer features by name, as ``reference_attention`` (and ``check_layer_step``) take
+    them, for a layer of ``num_heads`` heads: each alone, window and ALiBi, and all together."""
+    h = num_heads
+    return {
+        "window": dict(sliding_window=8),
+        "window1": dict(sliding_window=1),
+        "softcap": dict(logits_soft_cap=2.0),
+        "alibi": dict(alibi_slopes=[2.0 ** -(i + 1) for i in range(h)]),
+        "sinks": dict(sinks=torch.linspace(-2.0, 3.0, h, device=device)),
+        "all": dict(sliding_window=5, logits_soft_cap=3.0, alibi_slopes=[0.1 * (i + 1) for i in range(h)],
+                    sinks=torch.linspace(-1.0, 1.0, h, device=device)),
+        "alibi+window": dict(sliding_window=6, alibi_slopes=[0.05 * (i + 1) for i in range(h)]),
+    }
+
+
+#: The standard cache's stride orders by physical layout: tokens before heads (NHD), heads first (HND).
+PAGED_ORDERS = {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)}
+
+
+def stride_orders(backend: Any) -> dict[str, tuple[int, ...]]:
+    """``backend.get_kv_cache_stride_order()`` under each physical layout (``set_kv_cache_layout``)."""
+    from vattn.core.layout import KV_CACHE_LAYOUTS, set_kv_cache_layout
+
+    orders = {}
+    try:
+        for layout in KV_CACHE_LAYOUTS:
+            set_kv_cache_layout(layout)
+            orders[layout] = tuple(backend.get_kv_cache_stride_order())
+    finally:
+        set_kv_cache_layout(None)
+    return orders
 
 
 def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -237,14 +319,32 @@ def _random_cache(spec: BatchSpec, num_blocks: int, gen: torch.Generator) -> tor
     if spec.layout not in ("NHD", "HND"):
         raise ValueError(f"layout must be 'NHD' or 'HND', got {spec.layout!r}")
     physical = tuple(logical[i] for i in order)
-    data = torch.randn(physical, generator=gen)
-    data = torch.where(data.abs() < 1e-3, torch.full_like(data, 0.5), data)  # never zeros
-    cache = data.to(cd).to(spec.device)
+    cache = nonzero_randn(physical, gen).to(cd).to(spec.device)
     inverse = [order.index(i) for i in range(5)]
     return cache.permute(*inverse)
 
 
-def _slots(table: list[int], positions: range, block_size: int) -> list[int]:
+def nonzero_randn(shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+    """Standard normal float32 values, none near zero (a kernel that reads zeros is caught)."""
+    data = torch.randn(tuple(shape), generator=gen)
+    return torch.where(data.abs() < 1e-3, torch.full_like(data, 0.5), data)
+
+
+def shuffled_block_tables(blocks_per_request: Sequence[int], extra_blocks: int,
+                          gen: torch.Generator) -> tuple[list[list[int]], int]:
+    """(each request's block ids, the pool's size): distinct blocks of a shuffled pool of
+    ``sum(blocks_per_request) + extra_blocks``, the extra ones owned by no request."""
+    num_blocks = sum(blocks_per_request) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in blocks_per_request:
+        tables.append(perm[start : start + n])
+        start += n
+    return tables, num_blocks
+
+
+def slots_of(table: Sequence[int], positions: range, block_size: int) -> list[int]:
+    """The cache slots of a request's token ``positions`` under its block ``table``."""
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
@@ -262,12 +362,7 @@ def make_random_batch(spec: BatchSpec, seed: int = 0) -> RandomBatch:
     cross = spec.attn_type == ENCODER_DECODER
     seq_lens = spec.seq_lens
     n_blocks_req = [math.ceil(s / bs) for s in seq_lens]
-    num_blocks = sum(n_blocks_req) + spec.extra_blocks
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in n_blocks_req:
-        tables.append(perm[start : start + n])
-        start += n
+    tables, num_blocks = shuffled_block_tables(n_blocks_req, spec.extra_blocks, gen)
     kv_cache = _random_cache(spec, num_blocks, gen)
 
     # Tokens written this step and the positions they occupy.
@@ -277,7 +372,7 @@ def make_random_batch(spec: BatchSpec, seed: int = 0) -> RandomBatch:
         kv_lens, kv_starts = list(spec.query_lens), list(spec.context_lens)
     slot_list: list[int] = []
     for r in range(spec.num_reqs):
-        slot_list += _slots(tables[r], range(kv_starts[r], kv_starts[r] + kv_lens[r]), bs)
+        slot_list += slots_of(tables[r], range(kv_starts[r], kv_starts[r] + kv_lens[r]), bs)
     num_q = sum(spec.query_lens)
     num_kv = sum(kv_lens)
     pad = spec.num_pad_tokens
@@ -300,7 +395,7 @@ def make_random_batch(spec: BatchSpec, seed: int = 0) -> RandomBatch:
             full_keys.append(new_k.float())
             full_values.append(new_v.float())
             continue
-        ctx = [] if cross else _slots(tables[r], range(spec.context_lens[r]), bs)
+        ctx = [] if cross else slots_of(tables[r], range(spec.context_lens[r]), bs)
         ctx_t = torch.tensor(ctx, dtype=torch.long, device=spec.device)
         old_k = _from_cache(k_cache[ctx_t // bs, ctx_t % bs], ks)
         old_v = _from_cache(v_cache[ctx_t // bs, ctx_t % bs], vs)
@@ -400,6 +495,7 @@ def reference_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | list[float] | None = None,
     sinks: torch.Tensor | None = None,
+    allowed: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Dense float32 attention, one request at a time.
 
@@ -413,6 +509,8 @@ def reference_attention(
         logits_soft_cap: scores become ``cap * tanh(scores / cap)`` (after ``scale``).
         alibi_slopes: (H,), adds ``slope * (key_pos - query_pos)``.
         sinks: (H,) logits, each adds ``exp(sink)`` to the softmax denominator.
+        allowed: per request, a (query_len, S_r) bool mask that replaces the causal one (e.g.
+            ``tree_allowed``'s draft trees); the window still narrows it.
 
     Returns:
         (sum(query_lens), H, D) float32.
@@ -435,12 +533,14 @@ def reference_attention(
         kpos = torch.arange(S, device=q.device)[None, :]
         if slopes is not None:
             s = s + slopes.to(q.device)[:, None, None] * (kpos - qpos).float()
-        allowed = torch.ones(ql, S, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed &= kpos <= qpos
+        mask = torch.ones(ql, S, dtype=torch.bool, device=q.device)
+        if allowed is not None:
+            mask &= allowed[r].to(q.device)
+        elif causal:
+            mask &= kpos <= qpos
         if sliding_window is not None:
-            allowed &= kpos > qpos - sliding_window
-        s = s.masked_fill(~allowed, float("-inf"))
+            mask &= kpos > qpos - sliding_window
+        s = s.masked_fill(~mask, float("-inf"))
         if sinks is not None:
             sink = sinks.float().to(q.device)[:, None, None].expand(H, ql, 1)
             p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
@@ -460,6 +560,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """``actual`` (any dtype) vs the float32 reference at ``TOLERANCES[dtype]`` times ``factor``."""
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol * factor, rtol=rtol * factor)
+
+
+def assert_no_host_sync(fn: Callable[[], Any]) -> None:
+    """``fn()`` (a CUDA step already run once: compiled, planned, its constants on the device)
+    raises if it synchronizes with the host."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _slot_bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -517,3 +628,224 @@ def tree_allowed(context_lens: Sequence[int], parents: Sequence[Sequence[int]]) 
                 j = ps[j]
         allowed.append(a)
     return allowed
+
+
+# ---------------------------------------------------------------------------------------
+# Any backend through vattn.Attention and the attention op
+# ---------------------------------------------------------------------------------------
+
+#: ``reference_attention``'s feature names that ``vattn.Attention`` spells otherwise.
+_LAYER_ARGS = {"sliding_window": "per_layer_sliding_window"}
+_PREFIX = "harness.attn"
+_MAX_CONTEXT = 200  # tokens cached before a graph step (padded_step)
+
+
+def harness_view(backend: Any, cache: torch.Tensor) -> torch.Tensor:
+    """The harness's logical ``(2, num_blocks, block_size, Hk, D)`` view of a cache tensor that
+    ``backend`` allocated: the tensor itself for the standard shape, ``transpose(0, 1)`` for a
+    ``(num_blocks, 2, ...)`` one (FLASHINFER's)."""
+    probe = backend.get_kv_cache_shape(3, *cache.shape[2:])  # 3 blocks: never confused with the K/V dim
+    if len(probe) == 5 and probe[:2] == (2, 3):
+        return cache
+    if len(probe) == 5 and probe[:2] == (3, 2):
+        return cache.transpose(0, 1)
+    raise NotImplementedError(f"{backend.get_name()}: KV-cache shape {probe} is neither (2, N, ...) nor (N, 2, ...)")
+
+
+@contextlib.contextmanager
+def _building(spec: BatchSpec) -> Iterator[None]:
+    """Layers and caches made in the spec's model dtype, device and physical cache layout."""
+    from vattn.core.layout import set_kv_cache_layout
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(spec.dtype)
+    set_kv_cache_layout(spec.layout)
+    try:
+        with torch.device(spec.device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+        set_kv_cache_layout(None)
+
+
+def attention_layer(backend: Any, spec: BatchSpec, num_blocks: int, *, compilation: Any = None,
+                    **features: Any) -> tuple[Any, Any, Any]:
+    """A ``vattn.Attention`` of ``spec``'s geometry on ``backend`` (a name or a class) with the
+    layer ``features`` (``reference_attention``'s names) and its allocated, bound cache of
+    ``num_blocks`` blocks, under a fresh config (``compilation``: its ``CompilationConfig``):
+    (layer, PagedKVCache, config). fp8 scales from ``spec``."""
+    import vattn
+
+    cache = vattn.CacheConfig(block_size=spec.block_size, cache_dtype=spec.kv_cache_dtype)
+    cfg = vattn.VattnConfig(cache=cache, **({} if compilation is None else {"compilation": compilation}))
+    kwargs = {_LAYER_ARGS.get(k, k): v for k, v in features.items()}
+    with _building(spec), vattn.set_current_vattn_config(cfg):
+        layer = vattn.Attention(spec.num_heads, spec.head_size, spec.head_size**-0.5, num_kv_heads=spec.num_kv_heads,
+                                prefix=_PREFIX, attn_backend=backend, attn_type=spec.attn_type, **kwargs)
+        kv = vattn.allocate_kv_cache(cfg, num_blocks=num_blocks, device=spec.device, dtype=spec.dtype)
+    layer.set_kv_scales(spec.k_scale, spec.v_scale)
+    return layer, kv, cfg
+
+
+@dataclass
+class LayerStep:
+    """One step through ``vattn.Attention``: ``out`` (T, H, D); ``before`` / ``cache`` the
+    layer's cache before and after (``harness_view``; None for attention types without one)."""
+
+    out: torch.Tensor
+    before: torch.Tensor | None
+    cache: torch.Tensor | None
+    layer: Any
+    kv: Any
+
+
+def run_layer_step(backend: Any, batch: RandomBatch, *, common: CommonAttentionMetadata | None = None,
+                   builder_attrs: dict[str, Any] | None = None, **features: Any) -> LayerStep:
+    """Run ``batch`` (or ``common`` over its cache) through a fresh layer on ``backend``: its cache
+    holds the batch's random contents, its metadata comes from ``kv.build_metadata``.
+    ``builder_attrs``: attributes set on the metadata builders first (e.g. a backend's switches)."""
+    import vattn
+
+    spec = batch.spec
+    layer, kv, cfg = attention_layer(backend, spec, batch.kv_cache.shape[1], **features)
+    for group in kv.groups:
+        for name, value in (builder_attrs or {}).items():
+            setattr(group.builder, name, value)
+    cache = before = None
+    if _PREFIX in kv.tensors:
+        cache = harness_view(layer.attn_backend, kv.tensors[_PREFIX])
+        cache.copy_(batch.kv_cache)
+        before = cache.clone()
+    q, k, v = (x.flatten(1) for x in (batch.query, batch.key, batch.value))
+    with vattn.set_forward_context(kv.build_metadata(batch.common if common is None else common), cfg):
+        out = layer(q, k, v)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return LayerStep(out.view(batch.query.shape), before, cache, layer, kv)
+
+
+def skip_unless_served(backend: Any, spec: BatchSpec, **features: Any) -> None:
+    """``pytest.skip`` with ``backend``'s own reasons (``validate_configuration``, ``feature_reasons``:
+    its declared capabilities) where it does not serve ``spec`` with the layer ``features``."""
+    import pytest
+
+    from vattn.layer import _backend_class
+
+    cls = _backend_class(backend)
+    reasons = cls.validate_configuration(spec.head_size, spec.dtype, spec.kv_cache_dtype, spec.block_size,
+                                         has_sink=features.get("sinks") is not None)
+    reasons += cls.feature_reasons(spec.attn_type, use_sliding_window=features.get("sliding_window") is not None,
+                                   use_logits_soft_cap=bool(features.get("logits_soft_cap")),
+                                   use_alibi=features.get("alibi_slopes") is not None)
+    if reasons:
+        pytest.skip(f"{cls.get_name()} does not serve this case: {'; '.join(reasons)}")
+
+
+def check_layer_step(backend: Any, batch: RandomBatch, *, factor: float = 1.0,
+                     common: CommonAttentionMetadata | None = None, allowed: list[torch.Tensor] | None = None,
+                     builder_attrs: dict[str, Any] | None = None, **features: Any) -> LayerStep:
+    """``run_layer_step``, then: the output's real rows match the float32 reference (with
+    ``features``; ``allowed``: explicit per-request masks instead, e.g. ``tree_allowed``), the
+    step's K/V sit at their slots exactly, and every other cache slot is bit-identical. A layer
+    that quantizes q for its fp8 cache is compared with the quantized q."""
+    step = run_layer_step(backend, batch, common=common, builder_attrs=builder_attrs, **features)
+    spec, n = batch.spec, batch.num_actual_tokens
+    query = batch.query[:n]
+    if step.layer.query_quant is not None:
+        query = kv_round_trip(query, spec.kv_cache_dtype, float(step.layer._q_scale))
+    ref = reference_attention(query, batch.full_keys, batch.full_values, list(spec.query_lens),
+                              scale=spec.head_size**-0.5, causal=spec.attn_type == DECODER, allowed=allowed,
+                              **features)
+    assert_close(step.out[:n], ref, spec.dtype, factor=factor)
+    if step.cache is not None:
+        slots = (batch.common if common is None else common).slot_mapping
+        check_cache_untouched(step.before, step.cache, slots)
+        check_cache_written(batch, step.cache)
+    return step
+
+
+def padded_step(spec_kwargs: dict[str, Any], size: int, seed: int, *, mixed: bool,
+                num_blocks: int) -> tuple[RandomBatch, CommonAttentionMetadata]:
+    """A random step of at most ``size`` tokens over a pool of ``num_blocks`` blocks (decodes, or
+    ``mixed``: ``size // 2`` decodes and one prefill, exactly ``size`` tokens) and its metadata
+    padded to ``size`` tokens and requests, as a CUDA graph of that size replays it (every step of
+    one ``size`` has block tables of one width: what fits the longest possible request)."""
+    from vattn.metadata import build_common_attn_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    if mixed:
+        qlens = (1,) * (size // 2) + (size - size // 2,)
+    else:
+        qlens = (1,) * int(torch.randint(1, size + 1, (1,), generator=g))
+    ctx = tuple(int(c) for c in torch.randint(0, _MAX_CONTEXT, (len(qlens),), generator=g))
+    bs = spec_kwargs.get("block_size", 16)
+    extra = num_blocks - sum(-(-(c + q) // bs) for c, q in zip(ctx, qlens))
+    batch = make_random_batch(BatchSpec(context_lens=ctx, query_lens=qlens, extra_blocks=extra, **spec_kwargs),
+                              seed=seed)
+    common = build_common_attn_metadata(list(qlens), list(ctx), batch.block_tables, bs, device=batch.spec.device,
+                                        num_tokens_padded=size, num_reqs_padded=size,
+                                        max_blocks_per_req=-(-(_MAX_CONTEXT + size) // bs))
+    return batch, common
+
+
+def check_graph_replays(backend: Any, spec_kwargs: dict[str, Any], sizes: Sequence[int], *,
+                        num_blocks: int = 600) -> None:
+    """FULL CUDA graphs replay what eager runs, at every size of ``sizes``.
+
+    Per size: capture the layer's step from capture metadata (``build_metadata_for_cudagraph_capture``)
+    and a decode batch; then, for two new decode batches and (a builder of ``ALWAYS`` support) a
+    mixed one, rebuild the metadata in place, copy the padded inputs, replay, and compare output
+    and cache with a fresh eager layer's step, and the output with the float32 reference. On CPU
+    (torch stand-ins of kernel libraries) the capture is emulated: each replay re-runs the step on
+    the capture metadata, which must read what the rebuilds wrote into the persistent buffers."""
+    import vattn
+    from vattn.core.config import CompilationConfig, CUDAGraphMode
+    from vattn.core.enums import AttentionCGSupport
+
+    device = spec_kwargs["device"]
+    for size in sizes:
+        batch0, common0 = padded_step(spec_kwargs, size, seed=size, mixed=False, num_blocks=num_blocks)
+        spec = batch0.spec
+        graphs = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL, cudagraph_capture_sizes=tuple(sizes))
+        layer, kv, cfg = attention_layer(backend, spec, num_blocks, compilation=graphs)
+        cache = harness_view(layer.attn_backend, kv.tensors[_PREFIX])
+        cache.copy_(batch0.kv_cache)
+        q = torch.zeros(size, spec.num_heads * spec.head_size, dtype=spec.dtype, device=device)
+        k = torch.zeros(size, spec.num_kv_heads * spec.head_size, dtype=spec.dtype, device=device)
+        v = torch.zeros_like(k)
+        md = kv.build_metadata_for_cudagraph_capture(common0)
+
+        def step() -> torch.Tensor:
+            with vattn.set_forward_context(md, cfg):
+                return layer(q, k, v)
+
+        graph = None
+        out = step()  # eager warm-up (compiles / JITs outside the capture)
+        if device == "cuda":
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+        replays = [(False, 100 + size), (False, 200 + size)]
+        if layer.attn_backend.get_cudagraph_support() == AttentionCGSupport.ALWAYS and size >= 4:
+            replays.append((True, 300 + size))  # a mixed batch replays the same graph
+        for mixed, seed in replays:
+            batch, common = padded_step(spec_kwargs, size, seed=seed, mixed=mixed, num_blocks=num_blocks)
+            assert kv.can_run_in_cudagraph(common), f"size {size}, mixed={mixed}: the builder refuses the graph"
+            cache.copy_(batch.kv_cache)
+            kv.build_metadata(common)  # in place: the captured metadata now describes this batch
+            n = batch.num_actual_tokens
+            for buf, x in ((q, batch.query), (k, batch.key), (v, batch.value)):
+                buf.zero_()
+                buf[:n].copy_(x[:n].flatten(1))
+            if graph is not None:
+                graph.replay()
+                torch.cuda.synchronize()
+            else:
+                out = step()
+            eager = run_layer_step(backend, batch)
+            assert_close(out[:n].view(n, spec.num_heads, spec.head_size), eager.out[:n].float(), spec.dtype)
+            assert_close(out[:n].view(n, spec.num_heads, spec.head_size), batch.reference(scale=spec.head_size**-0.5),
+                         spec.dtype, factor=2.0)
+            assert eager.cache is not None
+            torch.testing.assert_close(cache, eager.cache, atol=0, rtol=0)

@@ -35,6 +35,12 @@ HAS_FLASHINFER = HAS_CUDA and _has("flashinfer")
 HAS_FLASH_ATTN = HAS_CUDA and (_has("flash_attn") or _has("flash_attn_interface"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--custom-backend", default=None, metavar="PACKAGE.MODULE.CLASS",
+                     help="the backend class tests/test_conformance.py registers as CUSTOM "
+                          "(default: tests/minimal_backend.py's MinimalBackend)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skips = {
         "cuda": (HAS_CUDA, "needs a CUDA GPU (none is visible to torch here)"),
@@ -73,6 +79,23 @@ def hf_one_thread(one_cpu_thread: None) -> Iterator[None]:
 
     transformers.logging.set_verbosity_error()
     yield
+
+
+@pytest.fixture
+def clean_registry() -> Iterator[None]:
+    """The backend registry without overrides during the test; what was registered before
+    (``register_backend``) is restored after, and cached selections are dropped."""
+    from vattn.core.registry import _OVERRIDES
+
+    saved = dict(_OVERRIDES.paths), dict(_OVERRIDES.classes)
+    for member in list(_OVERRIDES.paths):
+        member.clear_override()
+    yield
+    for member in list(_OVERRIDES.paths):
+        member.clear_override()
+    _OVERRIDES.paths.update(saved[0])
+    _OVERRIDES.classes.update(saved[1])
+    _OVERRIDES.generation += 1
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from attn_harness import FakeLayer, assert_close, cache_torch_dtype, kv_round_trip
+from attn_harness import (FakeLayer, assert_close, cache_torch_dtype, kv_round_trip, nonzero_randn,
+                          shuffled_block_tables, slots_of)
 from vattn.core.metadata import CommonAttentionMetadata
 from vattn.core.metadata import MLAAttentionSpec
 from vattn.metadata import build_common_attn_metadata
@@ -134,25 +135,15 @@ def mla_reference(q: torch.Tensor, latents: list[torch.Tensor], query_lens: list
     return torch.cat(outs) if outs else torch.zeros(0, h, v)
 
 
-def _slots(table: list[int], positions: range, block_size: int) -> list[int]:
-    return [table[i // block_size] * block_size + i % block_size for i in positions]
-
-
 def make_mla_batch(spec: MLASpec, seed: int = 0, kv_b_proj: nn.Linear | None = None) -> MLABatch:
     """Random inputs, a random latent cache over shuffled blocks, ``kv_b_proj`` and metadata."""
     gen = torch.Generator().manual_seed(seed)
     bs, lora, rope = spec.block_size, spec.kv_lora_rank, spec.qk_rope_head_dim
     seq = [c + q for c, q in zip(spec.context_lens, spec.query_lens)]
     need = [max(1, math.ceil(s / bs)) for s in seq]
-    num_blocks = sum(need) + spec.extra_blocks
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in need:
-        tables.append(perm[start : start + n])
-        start += n
+    tables, num_blocks = shuffled_block_tables(need, spec.extra_blocks, gen)
     cd = cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
-    raw = torch.randn(num_blocks, bs, lora + rope, generator=gen)
-    raw = torch.where(raw.abs() < 1e-3, torch.full_like(raw, 0.5), raw)  # never zeros
+    raw = nonzero_randn((num_blocks, bs, lora + rope), gen)
     if cd in (torch.float8_e4m3fn, torch.float8_e5m2):
         kv_cache = (raw / spec.kv_scale).clamp(torch.finfo(cd).min, torch.finfo(cd).max).to(cd)
     else:
@@ -173,7 +164,7 @@ def make_mla_batch(spec: MLASpec, seed: int = 0, kv_b_proj: nn.Linear | None = N
     latents, tok = [], 0
     leading = next((i for i, ql in enumerate(spec.query_lens) if ql != 1), len(spec.query_lens))
     for r, (ctx, ql) in enumerate(zip(spec.context_lens, spec.query_lens)):
-        old = torch.tensor(_slots(tables[r], range(ctx), bs), dtype=torch.long)
+        old = torch.tensor(slots_of(tables[r], range(ctx), bs), dtype=torch.long)
         cached = kv_cache.cpu()[old // bs, old % bs].float()
         if cd in (torch.float8_e4m3fn, torch.float8_e5m2):
             cached = cached * spec.kv_scale

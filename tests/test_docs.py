@@ -1,5 +1,6 @@
-"""The API reference (docs/api.md) is generated from the docstrings and kept current; LICENSE and
-CHANGELOG exist."""
+"""The API reference (docs/api.md) is generated from the docstrings and kept current; docs/backends.md
+shows tests/minimal_backend.py (which tests/test_conformance.py runs) as it is; LICENSE and CHANGELOG
+exist."""
 
 from __future__ import annotations
 
@@ -29,3 +30,10 @@ def test_every_public_name_is_documented() -> None:
 def test_license_and_changelog() -> None:
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_backends_doc_shows_the_minimal_backend_verbatim() -> None:
+    doc = (ROOT / "docs" / "backends.md").read_text()
+    source = (ROOT / "tests" / "minimal_backend.py").read_text()
+    assert f"```python\n{source}```\n" in doc, "docs/backends.md: paste tests/minimal_backend.py into its code block"
+    assert len(doc.encode()) <= 8192

@@ -1,7 +1,8 @@
 """FLASH_ATTN: CPU tests of what needs no GPU (interface limits, selection reasons, the
-builder's CUDA-graph buffers and launch parameters), and GPU tests (markers ``cuda`` +
-``flash_attn``) against the float32 reference of tests/attn_harness.py, including CUDA-graph
-replay vs eager at every captured size (mixed batches too where the interface is ALWAYS).
+builder's CUDA-graph buffers and launch parameters), the impl's calls checked through a torch
+stand-in for flash-attn-4 (CPU), and GPU tests (markers ``cuda`` + ``flash_attn``) of the
+library's own sizes and of both metadata paths against the float32 reference. What every
+backend must do (mixed steps, CUDA-graph replay at every size) is in tests/test_conformance.py.
 """
 
 from __future__ import annotations
@@ -13,16 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_harness import (
-    BatchSpec,
-    RandomBatch,
-    assert_close,
-    batch_specs,
-    check_cache_untouched,
-    check_cache_written,
-    make_random_batch,
-    reference_attention,
-)
+from attn_harness import (MIXED, PAGED_ORDERS, STAND_IN_STEPS, STEPS, BatchSpec, RandomBatch, batch_specs,
+                          check_graph_replays, check_layer_step, make_random_batch, reference_attention,
+                          skip_unless_served, stride_orders)
 from vattn.backends.flash_attn import interface as fa_interface
 from vattn.core.enums import AttentionCGSupport
 from vattn.backends.flash_attn import (
@@ -32,9 +26,8 @@ from vattn.backends.flash_attn import (
     FlashAttnInterface,
     interface_reasons,
 )
-from vattn.core.layout import set_kv_cache_layout
 from vattn.core.metadata import AttentionSpec
-from vattn.core.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
+from vattn.core.config import CompilationConfig, CUDAGraphMode, VattnConfig
 from vattn.metadata import build_common_attn_metadata
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -99,12 +92,8 @@ def test_kv_cache_shape_and_stride_order() -> None:
     assert FlashAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
     with pytest.raises(ValueError, match="head_size"):
         FlashAttentionBackend.get_kv_cache_shape(10, 16, 2, -1)
-    try:
-        set_kv_cache_layout("HND")
-        assert FlashAttentionBackend.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
-    finally:
-        set_kv_cache_layout(None)
-    assert FlashAttentionBackend.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
+    assert stride_orders(FlashAttentionBackend) == PAGED_ORDERS
+    assert FlashAttentionBackend.get_kv_cache_stride_order() == PAGED_ORDERS["NHD"]  # the default
 
 
 def test_impl_refuses_encoder_attention() -> None:
@@ -212,56 +201,21 @@ def _fake_fa4_fwd(q, k, v, *, out, cu_seqlens_q, seqused_k, page_table, max_seql
 
 @pytest.fixture
 def fake_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn-4 on an SM100 GPU, as far as selection and the layer can tell."""
     iface = FlashAttnInterface("fa4", "stand-in", fn=_fake_fa4_fwd, has_out=True)
     monkeypatch.setattr(fa_interface, "get_flash_attn_interface", lambda: (iface, ""))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
 
 
 # ---- shared by the CPU stand-in tests and the GPU tests ----------------------------------------
 
 
-def _setup(spec: BatchSpec, cache: torch.Tensor, cfg: VattnConfig | None = None, **impl_kwargs: object):
-    impl = FlashAttentionImpl(spec.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
-                              kv_cache_dtype=spec.kv_cache_dtype, **impl_kwargs)  # type: ignore[arg-type]
-    cfg = cfg or VattnConfig()
-    cfg.compilation.static_forward_context["fa.attn"] = types.SimpleNamespace(impl=impl, dtype=spec.dtype, kv_cache=[cache])
-    kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, cache.dtype, spec.kv_cache_dtype)
-    return impl, FlashAttentionMetadataBuilder(kv_spec, ["fa.attn"], cfg, cache.device)
-
-
-def _skip_unless_supported(spec: BatchSpec, has_sink: bool = False) -> None:
-    if spec.device != "cuda":
-        return
-    reasons = FlashAttentionBackend.validate_configuration(spec.head_size, spec.dtype, spec.kv_cache_dtype,
-                                                           spec.block_size, has_sink=has_sink)
-    if reasons:
-        pytest.skip("; ".join(reasons))
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.synchronize()
-
-
 def _check(batch: RandomBatch, *, factor: float = 2.0, persistent: bool = False, **features: object) -> None:
-    spec = batch.spec
-    _skip_unless_supported(spec, has_sink=features.get("sinks") is not None)
-    impl, builder = _setup(spec, batch.kv_cache, **features)
-    builder.use_persistent_buffers = persistent
-    md = builder.build(0, batch.common)
-    before = batch.kv_cache.clone()
-    query = ref_query = batch.query
-    if impl._fp8_dtype is not None:  # the layer hands fp8 queries to FLASH_ATTN with an fp8 cache
-        query = (batch.query.float() / batch.layer._q_scale).to(impl._fp8_dtype)
-        ref_query = query.float() * batch.layer._q_scale
-    out = torch.zeros_like(batch.query)
-    assert impl.forward(batch.layer, query, batch.key, batch.value, batch.kv_cache, md, output=out) is out  # type: ignore[arg-type]
-    _sync(out)
-    n = batch.num_actual_tokens
-    ref = reference_attention(ref_query[:n], batch.full_keys, batch.full_values, list(spec.query_lens),
-                              scale=impl.scale, **features)
-    assert_close(out[:n], ref, spec.dtype, factor=factor)
-    check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
-    check_cache_written(batch)
+    """One step through the layer (``attn_harness.check_layer_step``), metadata in persistent buffers or not."""
+    if batch.spec.device == "cuda":
+        skip_unless_served(FlashAttentionBackend, batch.spec, **features)
+    check_layer_step(FlashAttentionBackend, batch, factor=factor, builder_attrs={"use_persistent_buffers": persistent},
+                     **features)
 
 
 def _spec(case: dict, device: str) -> BatchSpec:
@@ -269,102 +223,8 @@ def _spec(case: dict, device: str) -> BatchSpec:
                         **case})
 
 
-def _random_common(kw: dict, size: int, seed: int, mixed: bool, num_blocks: int = 600):
-    """A random batch of exactly ``size`` tokens (decodes, or decodes + one prefill) over a pool of
-    ``num_blocks`` blocks, with metadata padded to ``size`` requests."""
-    g = torch.Generator().manual_seed(seed)
-    if mixed:
-        n_dec = size // 2
-        qlens = (1,) * n_dec + (size - n_dec,)
-    else:
-        n = int(torch.randint(1, size + 1, (1,), generator=g))
-        qlens = (1,) * n
-    ctx = tuple(int(c) for c in torch.randint(0, 200, (len(qlens),), generator=g))
-    bs = kw.get("block_size", 16)
-    extra = num_blocks - sum(-(-(c + q) // bs) for c, q in zip(ctx, qlens))
-    batch = make_random_batch(BatchSpec(context_lens=ctx, query_lens=qlens, extra_blocks=extra, **kw), seed=seed)
-    common = build_common_attn_metadata(list(qlens), list(ctx), batch.block_tables, bs, device=kw["device"],
-                                        num_tokens_padded=size, num_reqs_padded=size,
-                                        max_blocks_per_req=batch.common.block_table_tensor.shape[1])
-    return batch, common
-
-
-def _graph_replays(device: str, sizes: tuple[int, ...], head_size: int = 128, num_blocks: int = 600) -> None:
-    """Per size: capture metadata (and, on CUDA, the forward) from a decode batch, then run new
-    decode batches and (ALWAYS interfaces) a mixed batch of that size; compare with eager."""
-    kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, dtype=BF16, device=device)
-    support = FlashAttentionBackend.get_cudagraph_support()
-    for size in sizes:
-        batch0, common0 = _random_common(kw, size, seed=size, mixed=False, num_blocks=num_blocks)
-        spec = batch0.spec
-        _skip_unless_supported(spec)
-        cache = batch0.kv_cache
-        cfg = VattnConfig(compilation=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL,
-                                                        cudagraph_capture_sizes=sizes))
-        impl, builder = _setup(spec, cache, cfg)
-        q = torch.zeros(size, spec.num_heads, spec.head_size, dtype=spec.dtype, device=device)
-        k = torch.zeros(size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=device)
-        v, out = torch.zeros_like(k), torch.zeros_like(q)
-        md = builder.build_for_cudagraph_capture(common0)
-        assert md.use_cuda_graph and md.max_query_len == size
-
-        def step() -> None:
-            impl.forward(batch0.layer, q, k, v, cache, md, output=out)  # type: ignore[arg-type]
-
-        graph = None
-        if device == "cuda":
-            for _ in range(2):  # warm-up (JIT) outside the capture
-                step()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-        replays = [(False, 100 + size), (False, 200 + size)]
-        if support == AttentionCGSupport.ALWAYS and size >= 4:
-            replays.append((True, 300 + size))  # a mixed batch replays the same graph
-        for mixed, seed in replays:
-            batch, common = _random_common(kw, size, seed=seed, mixed=mixed, num_blocks=num_blocks)
-            cache.copy_(batch.kv_cache)
-            assert builder.build(0, common).use_cuda_graph
-            n = batch.num_actual_tokens
-            pad = (0, 0, 0, 0, 0, size - n)
-            q.copy_(torch.nn.functional.pad(batch.query, pad))
-            k.copy_(torch.nn.functional.pad(batch.key, pad))
-            v.copy_(torch.nn.functional.pad(batch.value, pad))
-            graph.replay() if graph is not None else step()
-            _sync(out)
-            eager_cache = batch.kv_cache.clone()
-            eager_impl, eager_builder = _setup(spec, eager_cache)  # no CUDA graphs configured
-            eager_builder.use_persistent_buffers = False
-            eager_md = eager_builder.build(0, batch.common)
-            assert not eager_md.use_cuda_graph
-            eager_out = torch.zeros_like(batch.query)
-            eager_impl.forward(batch.layer, batch.query, batch.key, batch.value, eager_cache, eager_md,  # type: ignore[arg-type]
-                               output=eager_out)
-            _sync(eager_out)
-            assert_close(out[:n], eager_out[:n].float(), spec.dtype)
-            assert_close(out[:n], batch.reference(scale=impl.scale), spec.dtype, factor=2.0)
-            torch.testing.assert_close(cache, eager_cache, atol=0, rtol=0)
-
-
-MIXED = dict(context_lens=(0, 37, 100, 5, 64, 0), query_lens=(1, 1, 1, 1, 23, 40))
-DECODE = dict(context_lens=(15, 16, 17, 300, 1), query_lens=(1, 1, 1, 1, 1))
-PREFILL = dict(context_lens=(0, 0, 33), query_lens=(70, 5, 17))
-
-CASES = [
-    pytest.param(dict(**MIXED), id="mixed"),
-    pytest.param(dict(**DECODE, num_pad_tokens=3), id="decode-padded"),
-    pytest.param(dict(**PREFILL), id="prefill"),
-    pytest.param(dict(**MIXED, layout="HND"), id="mixed-HND"),
-    pytest.param(dict(**MIXED, block_size=1), id="mixed-block1"),
-    pytest.param(dict(**MIXED, block_size=128), id="mixed-block128-tma"),
-    pytest.param(dict(**MIXED, block_size=256), id="mixed-block256"),
-    pytest.param(dict(**MIXED, block_size=64, num_heads=32, num_kv_heads=8), id="mixed-block64-gqa4"),
-    pytest.param(dict(**MIXED, num_heads=8, num_kv_heads=8), id="mixed-mha"),
-    pytest.param(dict(**MIXED, head_size=64), id="mixed-d64"),
-    pytest.param(dict(**MIXED, head_size=256), id="mixed-d256"),
-    pytest.param(dict(**MIXED, dtype=FP16), id="mixed-fp16"),
-    pytest.param(dict(**MIXED, kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.03), id="mixed-fp8"),
-]
+#: The harness's named steps and FlashAttention's large pages, each through both metadata paths on the GPU.
+CASES = {**STEPS, "mixed-block128-tma": dict(**MIXED, block_size=128), "mixed-block256": dict(**MIXED, block_size=256)}
 
 
 def _features(name: str) -> dict:
@@ -373,10 +233,11 @@ def _features(name: str) -> dict:
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "eager"])
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 3, 4, 12)])
-def test_calls_with_a_torch_stand_in(fake_fa4: None, case: dict, persistent: bool) -> None:
+@pytest.mark.parametrize("case", STAND_IN_STEPS)
+def test_calls_with_a_torch_stand_in(fake_fa4: None, case: str, persistent: bool) -> None:
     """CPU: the impl's varlen call (cu_seqlens, seqused_k, page table, scales) describes the batch."""
-    _check(make_random_batch(_spec({**case, "head_size": 32}, "cpu"), seed=1), factor=3.0, persistent=persistent)
+    _check(make_random_batch(_spec({**CASES[case], "head_size": 32}, "cpu"), seed=1), factor=3.0,
+           persistent=persistent)
 
 
 @pytest.mark.parametrize("feature", ["window", "softcap", "sinks"])
@@ -392,20 +253,21 @@ def test_fuzz_with_a_torch_stand_in(fake_fa4: None, spec: BatchSpec, persistent:
 
 def test_graph_path_with_a_torch_stand_in(fake_fa4: None) -> None:
     """CPU: decode and mixed batches through the persistent buffers give the eager result."""
-    _graph_replays("cpu", (1, 4, 8), head_size=32, num_blocks=120)
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=32, dtype=BF16, device="cpu")
+    check_graph_replays(FlashAttentionBackend, kw, (1, 4, 8), num_blocks=120)
 
 
 # ---- GPU ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "eager"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.cuda
 @pytest.mark.flash_attn
-def test_matches_reference(case: dict, persistent: bool) -> None:
+def test_matches_reference(case: str, persistent: bool) -> None:
     """Both metadata paths: persistent buffers with fixed launch params (what CUDA graphs replay,
     and every small batch on CUDA), and the caller's tensors with exact launch params."""
-    spec = _spec(case, "cuda")
+    spec = _spec(CASES[case], "cuda")
     _check(make_random_batch(spec, seed=1), factor=3.0 if "fp8" in spec.kv_cache_dtype else 2.0,
            persistent=persistent)
 
@@ -425,39 +287,3 @@ def test_fuzz(spec: BatchSpec, persistent: bool) -> None:
 @pytest.mark.flash_attn
 def test_window_soft_cap_and_sinks(feature: str) -> None:
     _check(make_random_batch(_spec(MIXED, "cuda"), seed=2), **_features(feature))
-
-
-@pytest.mark.cuda
-@pytest.mark.flash_attn
-def test_cuda_graph_replay_equals_eager_at_every_size() -> None:
-    _graph_replays("cuda", (1, 2, 4, 8, 16, 32))
-
-
-@pytest.mark.cuda
-@pytest.mark.flash_attn
-def test_layer_end_to_end_through_the_custom_op() -> None:
-    """vattn.Attention + allocate_kv_cache + build_common_attn_metadata, vs the TORCH_SDPA layer."""
-    import vattn
-
-    outs = {}
-    for backend in ("FLASH_ATTN", "TORCH_SDPA"):
-        cfg = VattnConfig(cache=CacheConfig(block_size=16))
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(BF16)
-        try:
-            with set_current_vattn_config(cfg), torch.device("cuda"):
-                layer = vattn.Attention(16, 128, 128**-0.5, num_kv_heads=4, prefix="l0.attn", attn_backend=backend)
-        finally:
-            torch.set_default_dtype(prev)
-        kv = vattn.allocate_kv_cache(cfg, num_blocks=64, device="cuda", dtype=BF16)
-        steps = [([5, 9], [0, 0], [[3, 7], [1]]), ([1, 1], [5, 9], [[3, 7], [1]]), ([1, 20], [6, 10], [[3, 7], [1, 2]])]
-        res = []
-        for qlens, computed, tables in steps:
-            common = vattn.build_common_attn_metadata(qlens, computed, tables, 16, device="cuda")
-            t = sum(qlens)
-            g = torch.Generator(device="cuda").manual_seed(t)
-            q, k, v = (torch.randn(t, h * 128, device="cuda", generator=g).to(BF16) for h in (16, 4, 4))
-            with vattn.set_forward_context(kv.build_metadata(common), cfg):
-                res.append(layer(q, k, v).float())
-        outs[backend] = torch.cat(res)
-    torch.testing.assert_close(outs["FLASH_ATTN"], outs["TORCH_SDPA"], atol=3e-2, rtol=3e-2)

@@ -1,6 +1,8 @@
 """FLASHINFER: CPU tests of what needs no GPU (lazy import, selection, reasons, host-side
-paging), and GPU tests (markers ``cuda`` + ``flashinfer``) against the float32 reference of
-tests/attn_harness.py, including CUDA-graph replay vs eager at every captured size.
+paging), the builder's plans and the impl's runs checked through a torch stand-in for FlashInfer
+(CPU), and GPU tests (markers ``cuda`` + ``flashinfer``) of the library's own sizes against the
+float32 reference. What every backend must do (mixed steps, CUDA-graph replay at every size) is
+in tests/test_conformance.py.
 
 FlashInfer JIT-compiles one module per (q dtype, kv dtype, head size, window, soft cap): the
 default GPU set sticks to bf16 / head 128 (+ fp8 KV); other dtypes, head sizes and features are
@@ -17,16 +19,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from attn_harness import (
-    BatchSpec,
-    RandomBatch,
-    assert_close,
-    batch_specs,
-    check_cache_untouched,
-    check_cache_written,
-    make_random_batch,
-    reference_attention,
-)
+from attn_harness import (MIXED, PAGED_ORDERS, STAND_IN_STEPS, STEPS, BatchSpec, RandomBatch, batch_specs,
+                          check_graph_replays, check_layer_step, make_random_batch, reference_attention, stride_orders)
 from vattn.backends.flashinfer import backend as fi_backend
 from vattn.backends.flashinfer import paging as fi_paging
 from vattn.core.enums import AttentionCGSupport
@@ -37,11 +31,9 @@ from vattn.backends.flashinfer import (
     gather_page_indices,
     paged_kv_layout,
 )
-from vattn.core.layout import set_kv_cache_layout
 from vattn.core.metadata import AttentionSpec
-from vattn.core.config import CacheConfig, CompilationConfig, CUDAGraphMode, VattnConfig, set_current_vattn_config
+from vattn.core.config import VattnConfig
 
-gpu = [pytest.mark.cuda, pytest.mark.flashinfer]
 
 
 # ---- CPU: lazy import, selection, reasons ---------------------------------------------------
@@ -112,13 +104,7 @@ def test_kv_cache_shape_stride_order_and_cg_level() -> None:
     assert FlashInferBackend.get_kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 2, 64)
     with pytest.raises(ValueError, match="block_size"):
         FlashInferBackend.get_kv_cache_shape(10, 0, 2, 64)
-    try:
-        set_kv_cache_layout("HND")
-        assert FlashInferBackend.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
-        set_kv_cache_layout("NHD")
-        assert FlashInferBackend.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
-    finally:
-        set_kv_cache_layout(None)
+    assert stride_orders(FlashInferBackend) == PAGED_ORDERS
     assert FlashInferBackend.get_cudagraph_support() == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
@@ -256,54 +242,15 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer.decode", dec)
     monkeypatch.setattr(fi_paging, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(fi_paging, "_workspaces", {})
+    monkeypatch.setattr(fi_backend, "_availability", lambda: (True, ""))
 
 
 # ---- shared by the CPU stand-in tests and the GPU tests ----------------------------------------
 
 
-def _fi_cache(src: torch.Tensor, layout: str) -> torch.Tensor:
-    """The harness cache (2, N, bs, Hk, D) copied into FlashInfer's (N, 2, bs, Hk, D), physical ``layout``."""
-    two, n, bs, hk, d = src.shape
-    if layout == "NHD":
-        cache = torch.empty((n, 2, bs, hk, d), dtype=src.dtype, device=src.device)
-    else:
-        cache = torch.empty((n, 2, hk, bs, d), dtype=src.dtype, device=src.device).permute(0, 1, 3, 2, 4)
-    cache.copy_(src.transpose(0, 1))
-    return cache
-
-
-def _setup(spec: BatchSpec, cache: torch.Tensor, cfg: VattnConfig | None = None, **impl_kwargs: object):
-    impl = FlashInferImpl(spec.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
-                          kv_cache_dtype=spec.kv_cache_dtype, **impl_kwargs)  # type: ignore[arg-type]
-    cfg = cfg or VattnConfig()
-    cfg.compilation.static_forward_context["fi.attn"] = types.SimpleNamespace(impl=impl, dtype=spec.dtype, kv_cache=[cache])
-    kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, cache.dtype, spec.kv_cache_dtype)
-    set_kv_cache_layout(spec.layout)
-    try:
-        builder = FlashInferMetadataBuilder(kv_spec, ["fi.attn"], cfg, cache.device)
-    finally:
-        set_kv_cache_layout(None)
-    return impl, builder
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.synchronize()
-
-
 def _check(batch: RandomBatch, *, factor: float = 2.0, **features: object) -> None:
-    spec = batch.spec
-    cache = _fi_cache(batch.kv_cache, spec.layout)
-    impl, builder = _setup(spec, cache, **features)
-    md = builder.build(0, batch.common)
-    before = cache.transpose(0, 1).clone()
-    out = torch.zeros_like(batch.query)
-    assert impl.forward(batch.layer, batch.query, batch.key, batch.value, cache, md, output=out) is out  # type: ignore[arg-type]
-    _sync(out)
-    ref = batch.reference(scale=impl.scale, **features)
-    assert_close(out[: batch.num_actual_tokens], ref, spec.dtype, factor=factor)
-    check_cache_untouched(before, cache.transpose(0, 1), batch.common.slot_mapping)
-    check_cache_written(batch, kv_cache=cache.transpose(0, 1))
+    """One step through the layer (``attn_harness.check_layer_step``): FLASHINFER's (N, 2, ...) cache included."""
+    check_layer_step(FlashInferBackend, batch, factor=factor, **features)
 
 
 def _spec(case: dict, device: str) -> BatchSpec:
@@ -311,129 +258,49 @@ def _spec(case: dict, device: str) -> BatchSpec:
                         "device": device, **case})
 
 
-def _decode_common(spec_kwargs: dict, size: int, seed: int, num_blocks: int = 600):
-    """A random pure-decode batch of at most ``size`` requests over a pool of ``num_blocks``
-    blocks, with its metadata padded to ``size`` tokens and requests."""
-    from vattn.metadata import build_common_attn_metadata
-
-    g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(1, size + 1, (1,), generator=g))
-    ctx = tuple(int(c) for c in torch.randint(0, 200, (n,), generator=g))
-    bs = spec_kwargs.get("block_size", 16)
-    extra = num_blocks - sum(-(-(c + 1) // bs) for c in ctx)
-    batch = make_random_batch(BatchSpec(context_lens=ctx, query_lens=(1,) * n, extra_blocks=extra, **spec_kwargs),
-                              seed=seed)
-    common = build_common_attn_metadata([1] * n, list(ctx), batch.block_tables, bs, device=spec_kwargs["device"],
-                                        num_tokens_padded=size, num_reqs_padded=size,
-                                        max_blocks_per_req=batch.common.block_table_tensor.shape[1])
-    return batch, common
-
-
-def _graph_replays(layout: str, device: str, sizes: tuple[int, ...], head_size: int = 128, num_blocks: int = 600) -> None:
-    """Per size: build the capture metadata, (on CUDA) capture the forward, then run two new
-    batches of that size through the same wrapper and buffers and compare with an eager build."""
-    kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, dtype=torch.bfloat16, device=device, layout=layout)
-    for size in sizes:
-        batch0, common0 = _decode_common(kw, size, seed=size, num_blocks=num_blocks)
-        spec = batch0.spec
-        cache = _fi_cache(batch0.kv_cache, layout)
-        cfg = VattnConfig(compilation=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                                                        cudagraph_capture_sizes=sizes))
-        impl, builder = _setup(spec, cache, cfg)
-        q = torch.zeros(size, spec.num_heads, spec.head_size, dtype=spec.dtype, device=device)
-        k = torch.zeros(size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=device)
-        v, out = torch.zeros_like(k), torch.zeros_like(q)
-        md = builder.build_for_cudagraph_capture(common0)
-        assert md.use_cuda_graph and md.decode_rows == size
-
-        def step() -> None:
-            impl.forward(batch0.layer, q, k, v, cache, md, output=out)  # type: ignore[arg-type]
-
-        graph = None
-        if device == "cuda":
-            for _ in range(2):  # warm-up (JIT) outside the capture
-                step()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-        for seed in (100 + size, 200 + size):  # two replays: the second re-plans without copies
-            batch, common = _decode_common(kw, size, seed=seed, num_blocks=num_blocks)
-            cache.copy_(_fi_cache(batch.kv_cache, layout))
-            md2 = builder.build(0, common)
-            assert md2.decode_wrapper is md.decode_wrapper and md2.use_cuda_graph
-            n = batch.num_actual_tokens
-            pad = (0, 0, 0, 0, 0, size - n)
-            q.copy_(torch.nn.functional.pad(batch.query, pad))
-            k.copy_(torch.nn.functional.pad(batch.key, pad))
-            v.copy_(torch.nn.functional.pad(batch.value, pad))
-            graph.replay() if graph is not None else step()
-            _sync(out)
-            eager_cache = _fi_cache(batch.kv_cache, layout)
-            eager_impl, eager_builder = _setup(spec, eager_cache)  # no CUDA graphs configured
-            eager_md = eager_builder.build(0, batch.common)
-            assert not eager_md.use_cuda_graph
-            eager_out = torch.zeros_like(batch.query)
-            eager_impl.forward(batch.layer, batch.query, batch.key, batch.value, eager_cache, eager_md,  # type: ignore[arg-type]
-                               output=eager_out)
-            _sync(eager_out)
-            assert_close(out[:n], eager_out[:n].float(), spec.dtype)
-            assert_close(out[:n], batch.reference(scale=impl.scale), spec.dtype, factor=2.0)
-            torch.testing.assert_close(cache, eager_cache, atol=0, rtol=0)
-
-
-MIXED = dict(context_lens=(0, 37, 100, 5, 64, 0), query_lens=(1, 1, 1, 1, 23, 40))
-DECODE = dict(context_lens=(15, 16, 17, 300, 1), query_lens=(1, 1, 1, 1, 1))
-PREFILL = dict(context_lens=(0, 0, 33), query_lens=(70, 5, 17))
-
 _slow = pytest.mark.slow
-CASES = [
-    pytest.param(dict(**MIXED), id="mixed"),
-    pytest.param(dict(**DECODE, num_pad_tokens=3), id="decode-padded"),
-    pytest.param(dict(**PREFILL), id="prefill"),
-    pytest.param(dict(**MIXED, layout="HND"), id="mixed-HND"),
-    pytest.param(dict(**MIXED, block_size=1), id="mixed-block1"),
-    pytest.param(dict(**MIXED, block_size=64, num_heads=32, num_kv_heads=8), id="mixed-block64-gqa4"),
-    pytest.param(dict(**MIXED, num_heads=8, num_kv_heads=8), id="mixed-mha"),
-    pytest.param(dict(**MIXED, kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.03), id="mixed-fp8"),
-    pytest.param(dict(**MIXED, kv_cache_dtype="fp8_e5m2", layout="HND"), id="mixed-fp8e5m2-HND", marks=_slow),
-    pytest.param(dict(**MIXED, head_size=64), id="mixed-d64", marks=_slow),
-    pytest.param(dict(**MIXED, head_size=256), id="mixed-d256", marks=_slow),
-    pytest.param(dict(**MIXED, dtype=torch.float16), id="mixed-fp16", marks=_slow),
+#: FlashInfer's page and head sizes that tests/test_conformance.py does not run (it runs the mixed,
+#: decode, prefill, HND, MHA / MQA, fp16 and fp8 steps at this geometry).
+GPU_CASES = [
+    pytest.param("mixed-block1"),
+    pytest.param("mixed-block64-gqa4"),
+    pytest.param("mixed-d64", marks=_slow),
+    pytest.param("mixed-d256", marks=_slow),
 ]
 FEATURES = [pytest.param(dict(sliding_window=24), id="window"), pytest.param(dict(logits_soft_cap=8.0), id="softcap")]
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 3, 4, 7)])
-def test_plans_with_a_torch_stand_in(fake_flashinfer: None, case: dict) -> None:
+@pytest.mark.parametrize("case", STAND_IN_STEPS)
+def test_plans_with_a_torch_stand_in(fake_flashinfer: None, case: str) -> None:
     """CPU: the builder's CSR layouts, row ranges, scales and the impl's calls describe the batch."""
-    _check(make_random_batch(_spec({**case, "head_size": 32}, "cpu"), seed=1), factor=3.0)
+    _check(make_random_batch(_spec({**STEPS[case], "head_size": 64}, "cpu"), seed=1), factor=3.0)
 
 
 @pytest.mark.parametrize("features", FEATURES)
 def test_window_and_soft_cap_with_a_torch_stand_in(fake_flashinfer: None, features: dict) -> None:
-    _check(make_random_batch(_spec({**MIXED, "head_size": 32}, "cpu"), seed=2), **features)
+    _check(make_random_batch(_spec({**MIXED, "head_size": 64}, "cpu"), seed=2), **features)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=batch_specs(max_reqs=6, head_sizes=(32,), dtypes=(torch.bfloat16,), kv_cache_dtypes=("auto", "fp8")))
+@given(spec=batch_specs(max_reqs=6, head_sizes=(64,), dtypes=(torch.bfloat16,), kv_cache_dtypes=("auto", "fp8")))
 def test_fuzz_with_a_torch_stand_in(fake_flashinfer: None, spec: BatchSpec) -> None:
     _check(make_random_batch(spec, seed=0), factor=3.0)
 
 
 def test_graph_path_with_a_torch_stand_in(fake_flashinfer: None) -> None:
     """CPU: persistent buffers, changed-only copies and fast re-plans give the eager result."""
-    _graph_replays("HND", "cpu", (1, 4, 8), head_size=32, num_blocks=120)
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, device="cpu", layout="HND")
+    check_graph_replays(FlashInferBackend, kw, (1, 4, 8), num_blocks=120)
 
 
 # ---- GPU ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", GPU_CASES)
 @pytest.mark.cuda
 @pytest.mark.flashinfer
-def test_matches_reference(case: dict) -> None:
-    spec = _spec(case, "cuda")
-    _check(make_random_batch(spec, seed=1), factor=3.0 if "fp8" in spec.kv_cache_dtype else 2.0)
+def test_matches_reference(case: str) -> None:
+    _check(make_random_batch(_spec(STEPS[case], "cuda"), seed=1))
 
 
 @pytest.mark.cuda
@@ -452,43 +319,6 @@ def test_fuzz(spec: BatchSpec) -> None:
 @pytest.mark.flashinfer
 def test_window_and_soft_cap(features: dict) -> None:
     _check(make_random_batch(_spec(MIXED, "cuda"), seed=2), **features)
-
-
-@pytest.mark.parametrize("layout", ["NHD", pytest.param("HND", marks=_slow)])
-@pytest.mark.cuda
-@pytest.mark.flashinfer
-def test_cuda_graph_replay_equals_eager_at_every_size(layout: str) -> None:
-    _graph_replays(layout, "cuda", (1, 2, 4, 8, 16, 32))
-
-
-@pytest.mark.cuda
-@pytest.mark.flashinfer
-def test_layer_end_to_end_through_the_custom_op() -> None:
-    """vattn.Attention + allocate_kv_cache + build_common_attn_metadata, vs the TORCH_SDPA layer."""
-    import vattn
-
-    outs = {}
-    for backend in ("FLASHINFER", "TORCH_SDPA"):
-        cfg = VattnConfig(cache=CacheConfig(block_size=16))
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with set_current_vattn_config(cfg), torch.device("cuda"):
-                layer = vattn.Attention(16, 128, 128**-0.5, num_kv_heads=4, prefix="l0.attn", attn_backend=backend)
-        finally:
-            torch.set_default_dtype(prev)
-        kv = vattn.allocate_kv_cache(cfg, num_blocks=64, device="cuda", dtype=torch.bfloat16)
-        steps = [([5, 9], [0, 0], [[3, 7], [1]]), ([1, 1], [5, 9], [[3, 7], [1]]), ([1, 20], [6, 10], [[3, 7], [1, 2]])]
-        res = []
-        for qlens, computed, tables in steps:
-            common = vattn.build_common_attn_metadata(qlens, computed, tables, 16, device="cuda")
-            t = sum(qlens)
-            g = torch.Generator(device="cuda").manual_seed(t)
-            q, k, v = (torch.randn(t, h * 128, device="cuda", generator=g).to(torch.bfloat16) for h in (16, 4, 4))
-            with vattn.set_forward_context(kv.build_metadata(common), cfg):
-                res.append(layer(q, k, v).float())
-        outs[backend] = torch.cat(res)
-    torch.testing.assert_close(outs["FLASHINFER"], outs["TORCH_SDPA"], atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.cuda

@@ -19,28 +19,30 @@ def test_no_import_cycle_inside_vattn() -> None:
     assert layout_check.import_cycles() == []
 
 
-def test_the_cycle_check_sees_function_local_imports(tmp_path, monkeypatch) -> None:
-    """A back-edge hidden in a function body is still found."""
+TYPE_ONLY = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    {}\n"
+
+
+def fake_package(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """A package ``vattn`` of ``files`` (path -> source) that layout_check reads instead."""
     pkg = tmp_path / "vattn"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from vattn import b\n")
-    (pkg / "b.py").write_text("def f():\n    from vattn.a import x\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vattn import a\n")
+    for name, source in {"__init__.py": "", **files}.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(source)
     monkeypatch.setattr(layout_check, "ROOT", tmp_path)
     monkeypatch.setattr(layout_check, "PACKAGE", pkg)
+
+
+def test_the_cycle_check_sees_function_local_imports(tmp_path, monkeypatch) -> None:
+    """A back-edge hidden in a function body is still found."""
+    fake_package(tmp_path, monkeypatch, {"a.py": "from vattn import b\n",
+                                         "b.py": "def f():\n    from vattn.a import x\n"})
     assert layout_check.import_cycles() == [["vattn.a", "vattn.b"]]
 
 
 def test_the_cycle_check_counts_type_only_imports(tmp_path, monkeypatch) -> None:
     """An import under ``if TYPE_CHECKING:`` still ties the modules together."""
-    pkg = tmp_path / "vattn"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from vattn import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vattn.a import x\n")
-    monkeypatch.setattr(layout_check, "ROOT", tmp_path)
-    monkeypatch.setattr(layout_check, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch, {"a.py": "from vattn import b\n",
+                                         "b.py": TYPE_ONLY.format("from vattn.a import x")})
     assert layout_check.import_cycles() == [["vattn.a", "vattn.b"]]
 
 
@@ -55,14 +57,8 @@ def test_floor_plan_holds() -> None:
 
 
 def test_back_edges_are_found(tmp_path, monkeypatch) -> None:
-    pkg = tmp_path / "vattn"
-    (pkg / "core").mkdir(parents=True)
-    for f in ("__init__.py", "core/__init__.py", "envs.py"):
-        (pkg / f).write_text("")
-    (pkg / "core" / "x.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vattn import layer\n")
-    (pkg / "layer.py").write_text("from vattn.core import x\n")
-    monkeypatch.setattr(layout_check, "ROOT", tmp_path)
-    monkeypatch.setattr(layout_check, "PACKAGE", pkg)
+    fake_package(tmp_path, monkeypatch, {"core/__init__.py": "", "core/x.py": TYPE_ONLY.format("from vattn import layer"),
+                                         "layer.py": "from vattn.core import x\n"})
     assert layout_check.back_edges() == [("core", "layer")]
 
 

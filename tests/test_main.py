@@ -20,7 +20,6 @@ from vattn.__main__ import main
 from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.core.interface import AttentionBackend
 from vattn.core.registry import (
-    _OVERRIDES,
     AttentionBackendEnum,
     MambaAttentionBackendEnum,
     register_backend,
@@ -33,15 +32,9 @@ STATUS_WORDS = {"available": "available", "unavailable": "unavailable here", "no
 
 
 @pytest.fixture(autouse=True)
-def _clean_registry_and_selection():
-    saved = dict(_OVERRIDES.paths), dict(_OVERRIDES.classes)
+def _clean_registry_and_selection(clean_registry: None):
     forced = selector.get_global_forced_attn_backend()
     yield
-    for member in list(_OVERRIDES.paths):
-        member.clear_override()
-    _OVERRIDES.paths.update(saved[0])
-    _OVERRIDES.classes.update(saved[1])
-    _OVERRIDES.generation += 1
     selector.global_force_attn_backend(forced)
     selector._cached_get_attn_backend.cache_clear()
 

@@ -127,37 +127,25 @@ def _check(name: str, lens: list[int], initial: list[bool], pad_lens: list[int],
             assert torch.equal(got[k], v)
 
 
+#: Batches by name: (seed, request lengths, initial states, padded requests' lengths, dtype, optional inputs, tolerance).
+BATCHES = {
+    "mixed-float32": (0, MIXED_LENS, MIXED_INIT, PAD_LENS, torch.float32, True, 1e-4),
+    # No bias / D / z / dt_bias, no softplus, a dt_limit that clamps, no q/k l2 norm.
+    "mixed-without-options": (10, MIXED_LENS, MIXED_INIT, PAD_LENS, torch.float32, False, 1e-4),
+    "decodes": (20, DECODE_LENS, DECODE_INIT, [0, 0], torch.float32, True, 1e-4),
+    # bfloat16 inputs, states and out: float32 math inside, so only the final roundings differ.
+    "mixed-bfloat16": (30, MIXED_LENS, MIXED_INIT, PAD_LENS, torch.bfloat16, True, 3e-2),
+    # Real requests without tokens and padded ones with tokens: nothing is written.
+    "without-tokens": (50, [0, 0], [True, False], [3], torch.float32, True, 0.0),
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("name", NAMES)
-def test_mixed_batch_float32(name):
-    torch.manual_seed(NAMES.index(name))
-    _check(name, MIXED_LENS, MIXED_INIT, PAD_LENS, torch.float32, full=True, tol=1e-4)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_mixed_batch_without_options(name):
-    """No bias / D / z / dt_bias, no softplus, a dt_limit that clamps, no q/k l2 norm."""
-    torch.manual_seed(10 + NAMES.index(name))
-    _check(name, MIXED_LENS, MIXED_INIT, PAD_LENS, torch.float32, full=False, tol=1e-4)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_decode_batch(name):
-    torch.manual_seed(20 + NAMES.index(name))
-    _check(name, DECODE_LENS, DECODE_INIT, [0, 0], torch.float32, full=True, tol=1e-4)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_batch_without_tokens(name):
-    """Real requests without tokens and padded ones with tokens: nothing is written."""
-    torch.manual_seed(50 + NAMES.index(name))
-    _check(name, [0, 0], [True, False], [3], torch.float32, full=True, tol=0.0)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_mixed_batch_bfloat16(name):
-    """bfloat16 inputs, states and out: float32 math inside, so only the final roundings differ."""
-    torch.manual_seed(30 + NAMES.index(name))
-    _check(name, MIXED_LENS, MIXED_INIT, PAD_LENS, torch.bfloat16, full=True, tol=3e-2)
+def test_batch(name, batch):
+    seed, lens, init, pad, dtype, full, tol = BATCHES[batch]
+    torch.manual_seed(seed + NAMES.index(name))
+    _check(name, lens, init, pad, dtype, full=full, tol=tol)
 
 
 @pytest.mark.parametrize("name", NAMES)

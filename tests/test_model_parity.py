@@ -25,6 +25,7 @@ import vattn  # noqa: E402
 from examples.engine import PENDING, BlockAllocator, Engine, Request, SamplingParams, greedy, sample  # noqa: E402
 from examples.generate import compile_model  # noqa: E402
 from examples.model import DecoderForCausalLM, ModelConfig, init_random_weights  # noqa: E402
+from engine_checks import run_with_graphs  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,21 +223,7 @@ def test_cudagraph_engine_matches_eager_cuda(compile_model: bool) -> None:
     eager = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, record_logits=True)
     eager_reqs, _ = run_engine(eager)
     fn = vattn.compile(model, cfg) if compile_model else model
-    runner = vattn.CUDAGraphRunner(fn, cfg, kv, max_batch_size=8, max_model_len=128,
-                                   mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE, show_progress=False)
-    replays = []
-    dispatch = runner.dispatch
-
-    def counting_dispatch(common: Any) -> Any:
-        bd, padded = dispatch(common)
-        replays.append(bd.mode)
-        return bd, padded
-
-    runner.dispatch = counting_dispatch  # type: ignore[method-assign]
-    graphs = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, graph_runner=runner,
-                    record_logits=True)
-    reqs, _ = run_engine(graphs)
-    assert vattn.CUDAGraphMode.FULL in replays, f"no full-graph replay (runner mode {runner.mode}: {runner.downgrade_reasons})"
+    graphs, reqs = run_with_graphs(model, fn, cfg, kv, run_engine, BUDGET)
     for a, b in zip(eager_reqs, reqs):
         assert_same_run_until_near_tie(torch.stack(graphs.logits[b.req_id]), torch.stack(eager.logits[a.req_id]),
                                        b.output_token_ids, a.output_token_ids, f"cudagraph request {b.req_id}")

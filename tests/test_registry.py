@@ -12,7 +12,6 @@ import pytest
 
 from vattn.core.interface import AttentionBackend
 from vattn.core.registry import (
-    _OVERRIDES,
     MAMBA_TYPE_TO_BACKEND_MAP,
     AttentionBackendEnum,
     MambaAttentionBackendEnum,
@@ -28,18 +27,8 @@ IMPLEMENTED = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TORCH_SDPA", "FLEX_AT
 NAMED_ONLY = ("CPU_ATTN",)
 
 
-@pytest.fixture(autouse=True)
-def _restore_overrides():
-    """Each test starts without overrides; whatever was registered before is restored after."""
-    saved = dict(_OVERRIDES.paths), dict(_OVERRIDES.classes)
-    for member in list(_OVERRIDES.paths):
-        member.clear_override()
-    yield
-    for member in list(_OVERRIDES.paths):
-        member.clear_override()
-    _OVERRIDES.paths.update(saved[0])
-    _OVERRIDES.classes.update(saved[1])
-    _OVERRIDES.generation += 1
+# Each test starts without overrides; whatever was registered before is restored after.
+pytestmark = pytest.mark.usefixtures("clean_registry")
 
 
 @pytest.fixture

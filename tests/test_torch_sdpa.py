@@ -10,15 +10,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_harness import (
-    BatchSpec,
-    RandomBatch,
-    assert_close,
-    batch_specs,
-    check_cache_untouched,
-    check_cache_written,
-    make_random_batch,
-)
+from attn_harness import (PAGED_ORDERS, BatchSpec, RandomBatch, assert_close, assert_no_host_sync, batch_specs,
+                          check_cache_untouched, check_cache_written, layer_features, make_random_batch, stride_orders)
 from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadataBuilder
 from vattn.core.layout import set_kv_cache_layout
@@ -119,25 +112,15 @@ def test_backend_facts() -> None:
     assert B.validate_configuration(64, torch.int8, "auto", 16) != []
     assert B.get_cudagraph_support() == AttentionCGSupport.NEVER
     assert B.get_impl_cls() is TorchSDPAImpl and B.get_builder_cls() is TorchSDPAMetadataBuilder
-    try:
-        set_kv_cache_layout("NHD")
-        assert B.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
-        set_kv_cache_layout("HND")
-        assert B.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
-    finally:
-        set_kv_cache_layout(None)
+    assert stride_orders(B) == PAGED_ORDERS
 
 
 def test_impl_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        TorchSDPAImpl(6, 64, 0.1, num_kv_heads=4)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         TorchSDPAImpl(4, 64, 0.1, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="alibi_slopes"):
         TorchSDPAImpl(4, 64, 0.1, alibi_slopes=[1.0, 2.0])
-    b = make_random_batch(BatchSpec(**MIXED), seed=0)
-    with pytest.raises(NotImplementedError, match="output_scale"):
-        run(b, output_scale=torch.tensor(1.0))
+    # output_scale is refused by the op, before any impl runs (tests/test_custom_ops.py).
 
 
 # ---- fuzz ---------------------------------------------------------------------------------
@@ -159,16 +142,7 @@ def test_fuzz_kv_cache_dtypes(spec: BatchSpec, seed: int) -> None:
 
 # ---- features -------------------------------------------------------------------------------
 
-FEATURES = {
-    "window": dict(sliding_window=8),
-    "window1": dict(sliding_window=1),
-    "softcap": dict(logits_soft_cap=2.0),
-    "alibi": dict(alibi_slopes=[2.0 ** -(i + 1) for i in range(8)]),
-    "sinks": dict(sinks=torch.linspace(-2.0, 3.0, 8)),
-    "all": dict(sliding_window=5, logits_soft_cap=3.0, alibi_slopes=[0.1 * (i + 1) for i in range(8)],
-                sinks=torch.linspace(-1.0, 1.0, 8)),
-    "alibi+window": dict(sliding_window=6, alibi_slopes=[0.05 * (i + 1) for i in range(8)]),
-}
+FEATURES = layer_features(8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -421,17 +395,13 @@ def test_cuda_feature_without_host_sync(name: str) -> None:
     spec = BatchSpec(**MIXED, num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, layout="HND",
                      num_pad_tokens=2, device="cuda")
     batch = make_random_batch(spec, seed=21)
-    feats = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in FEATURES[name].items()}
+    feats = layer_features(8, "cuda")[name]
     check(batch, **feats)  # also the first call (alibi slopes copied to the device)
     kv_spec = AttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, batch.kv_cache.dtype)
     md = TorchSDPAMetadataBuilder(kv_spec, ["x"], VattnConfig(), torch.device("cuda")).build(0, batch.common)
     impl = TorchSDPAImpl(8, spec.head_size, spec.head_size**-0.5, num_kv_heads=2, **feats)  # type: ignore[arg-type]
     out = torch.zeros_like(batch.query)
     impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)  # type: ignore[arg-type]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output=out)  # type: ignore[arg-type]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(lambda: impl.forward(batch.layer, batch.query, batch.key, batch.value, batch.kv_cache, md,
+                                             output=out))
     assert math.isfinite(float(out.float().abs().sum()))

@@ -35,6 +35,7 @@ if not hasattr(transformers, "Qwen3NextConfig"):  # pragma: no cover - older tra
 from examples.hf_model import random_model  # noqa: E402
 from vattn.mixers import MambaBase  # noqa: E402
 from vattn.integrations import transformers as vt  # noqa: E402
+from engine_checks import assert_logits_match  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("hf_one_thread")
 
@@ -141,13 +142,7 @@ def run_engine(engine: Engine) -> list[Request]:
 
 
 def assert_matches_reference(family: str, engine: Engine, reqs: list[Request]) -> None:
-    ref_tokens, ref_logits = reference(family)
-    for req, tokens, ref in zip(reqs, ref_tokens, ref_logits):
-        top2 = ref.topk(2, dim=-1).values
-        assert float((top2[:, 0] - top2[:, 1]).min()) > 10 * ATOL, "the reference has a near-tie: change the seeds"
-        got = torch.stack(engine.logits[req.req_id])
-        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=lambda m: f"{family} request {req.req_id}: {m}")
-        assert req.output_token_ids == tokens, f"{family} request {req.req_id}"
+    assert_logits_match(engine, reqs, *reference(family), atol=ATOL, what=family)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

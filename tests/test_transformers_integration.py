@@ -32,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 from examples.hf_model import FAMILIES, random_model, save_random_checkpoint, tiny_config  # noqa: E402
 from vattn.integrations import transformers as vt  # noqa: E402
+from engine_checks import assert_logits_match, run_with_graphs  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("hf_one_thread")
@@ -95,13 +96,7 @@ def run_engine(engine: Engine, step_offset: int = 0) -> tuple[list[Request], lis
 
 
 def assert_matches_reference(family: str, engine: Engine, reqs: list[Request]) -> None:
-    ref_tokens, ref_logits = reference(family)
-    for req, tokens, ref in zip(reqs, ref_tokens, ref_logits):
-        top2 = ref.topk(2, dim=-1).values
-        assert float((top2[:, 0] - top2[:, 1]).min()) > 10 * ATOL, "the reference has a near-tie: change the seeds"
-        got = torch.stack(engine.logits[req.req_id])
-        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=lambda m: f"{family} request {req.req_id}: {m}")
-        assert req.output_token_ids == tokens, f"{family} request {req.req_id}"
+    assert_logits_match(engine, reqs, *reference(family), atol=ATOL, what=family)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -564,21 +559,7 @@ def test_bf16_cudagraphs_match_eager_and_transformers_cuda(family: str, gemv: bo
                           f"{family} eager vs transformers, request {r.req_id}")
 
     compiled = vattn.compile(model, cfg)
-    runner = vattn.CUDAGraphRunner(compiled, cfg, kv, max_batch_size=8, max_model_len=128,
-                                   mode=vattn.CUDAGraphMode.FULL_AND_PIECEWISE, show_progress=False)
-    modes = []
-    dispatch = runner.dispatch
-
-    def counting_dispatch(common: Any) -> Any:
-        bd, padded = dispatch(common)
-        modes.append(bd.mode)
-        return bd, padded
-
-    runner.dispatch = counting_dispatch  # type: ignore[method-assign]
-    graphs = Engine(model, cfg, kv, device="cuda", max_num_batched_tokens=BUDGET, graph_runner=runner,
-                    record_logits=True)
-    reqs, _ = run_engine(graphs)
-    assert vattn.CUDAGraphMode.FULL in modes, f"no full-graph replay ({runner.mode}: {runner.downgrade_reasons})"
+    graphs, reqs = run_with_graphs(model, compiled, cfg, kv, run_engine, BUDGET)
     assert compiled.backend.counter.num_graphs_seen == 1
     for a, b in zip(eager_reqs, reqs):
         near_tie_or_equal(torch.stack(graphs.logits[b.req_id]), torch.stack(eager.logits[a.req_id]),

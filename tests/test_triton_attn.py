@@ -1,8 +1,9 @@
 """TRITON_ATTN: the Triton KV-store and unified attention kernels, and the backend around them.
 
 On CPU the kernels run in the Triton interpreter (tiny shapes); ``cuda`` tests run full
-shapes on a GPU and capture CUDA graphs. Everything is compared with the dense float32
-reference of tests/attn_harness.py.
+shapes on a GPU. Everything is compared with the dense float32 reference of
+tests/attn_harness.py; what every backend must do (mixed steps, the layer features, fp8 caches
+through the layer, CUDA-graph replay at every size) is in tests/test_conformance.py.
 """
 
 from __future__ import annotations
@@ -16,20 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_harness import (
-    BatchSpec,
-    RandomBatch,
-    assert_close,
-    batch_specs,
-    check_cache_untouched,
-    check_cache_written,
-    make_random_batch,
-    tree_allowed,
-)
+from attn_harness import (PAGED_ORDERS, BatchSpec, RandomBatch, assert_close, batch_specs, check_cache_untouched,
+                          check_cache_written, make_random_batch, stride_orders, tree_allowed)
 import triton_modules
 from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.backends.triton import config as tcfg
-from vattn.core.layout import set_kv_cache_layout
 from vattn.core.metadata import AttentionSpec, CommonAttentionMetadata
 from vattn.core.config import CompilationConfig, VattnConfig
 
@@ -148,11 +140,6 @@ def test_store_kv_saturates_and_rounds_like_torch() -> None:
 # ---- the unified kernel, through the backend ----------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_mixed_batch_fp32(layout: str) -> None:
-    check(make_random_batch(BatchSpec(**MIXED, **SMALL, layout=layout, num_pad_tokens=2), seed=2))
-
-
 def test_mixed_batch_bf16_head64_eager_path() -> None:
     # T = 34 > max_capture_size: the caller's tensors, no persistent buffers.
     cfg = VattnConfig(compilation=CompilationConfig(max_capture_size=8, cudagraph_capture_sizes=(8,)))
@@ -174,14 +161,6 @@ FEATURES: dict[str, dict[str, object]] = {
     "alibi": dict(alibi_slopes=[0.3, 0.1, 0.05, 0.02]),
     "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
 }
-
-
-@pytest.mark.parametrize("name", sorted(FEATURES))
-def test_feature(name: str) -> None:
-    features = dict(FEATURES[name])
-    if "sinks" in features:
-        features["sinks"] = features["sinks"].to(DEV)  # type: ignore[union-attr]
-    check(make_random_batch(BatchSpec(**MIXED, **SMALL), seed=5), **features)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
@@ -713,12 +692,8 @@ def test_backend_facts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert B.get_name() == "TRITON_ATTN"
     assert B.accept_output_buffer and B.supports_quant_query_input and B.supports_output_quant
     assert B.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
-    set_kv_cache_layout("HND")
-    try:
-        assert B.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
-    finally:
-        set_kv_cache_layout(None)
-    assert B.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
+    assert stride_orders(B) == PAGED_ORDERS
+    assert B.get_kv_cache_stride_order() == PAGED_ORDERS["NHD"]  # the default
     assert {64, 128, 256} <= set(B.get_supported_head_sizes())
     assert B.get_cudagraph_support() == AttentionCGSupport.ALWAYS
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -798,52 +773,6 @@ def test_cuda_store_kv_matches_torch(layout: str) -> None:
                     batch.layer._k_scale, batch.layer._v_scale)
     check_cache_written(batch)
     check_cache_untouched(before, batch.kv_cache, batch.common.slot_mapping)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("size", [1, 4, 24, 64])
-def test_cuda_graph_replay_equals_eager(size: int) -> None:
-    """Capture at ``size`` tokens with decode metadata; replay a different mixed batch."""
-    cfg = VattnConfig(compilation=CompilationConfig(cudagraph_capture_sizes=(1, 4, 24, 64)))
-    qlens = [1] * size if size < 4 else [1] * (size // 2) + [size - size // 2]
-    ctx = [(997 * (i + 1)) % 3000 for i in range(len(qlens))]
-    spec = BatchSpec(context_lens=tuple(ctx), query_lens=tuple(qlens), num_heads=32, num_kv_heads=8,
-                     head_size=128, dtype=torch.bfloat16, extra_blocks=8, device="cuda")
-    replay = make_random_batch(spec, seed=24)
-    builder = _builder(replay, cfg)
-    width = 256  # the widest block table any replay uses, fixed at capture
-    capture = CommonAttentionMetadata(
-        query_start_loc=torch.arange(size + 1, dtype=torch.int32, device="cuda"),
-        query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
-        seq_lens=torch.full((size,), 17, dtype=torch.int32, device="cuda"),
-        seq_lens_cpu=torch.full((size,), 17, dtype=torch.int32),
-        num_computed_tokens_cpu=torch.full((size,), 16, dtype=torch.int32),
-        num_reqs=size, num_actual_tokens=size, max_query_len=1,
-        block_table_tensor=torch.zeros((size, width), dtype=torch.int32, device="cuda"),
-        slot_mapping=torch.full((size,), -1, dtype=torch.int64, device="cuda"),
-    )
-    md = builder.build_for_cudagraph_capture(capture)
-    impl = TritonAttentionImpl(32, 128, 128**-0.5, 8)
-    q, k, v = (torch.randn_like(t) for t in (replay.query, replay.key, replay.value))
-    out = torch.zeros_like(replay.query)
-    kv0 = replay.kv_cache.clone()
-    impl.forward(replay.layer, q, k, v, replay.kv_cache, md, output=out)  # warm-up: compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(replay.layer, q, k, v, replay.kv_cache, md, output=out)
-    replay.kv_cache.copy_(kv0)
-    builder.build(0, replay.common)  # in place: the graph now reads the replay batch
-    q.copy_(replay.query), k.copy_(replay.key), v.copy_(replay.value)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    graph_out = out.clone()
-    replay.kv_cache.copy_(kv0)
-    eager = torch.zeros_like(out)
-    impl.forward(replay.layer, replay.query, replay.key, replay.value, replay.kv_cache, md, output=eager)
-    assert torch.equal(graph_out, eager)
-    assert_close(graph_out[: replay.num_actual_tokens], replay.reference(scale=128**-0.5), torch.bfloat16)
 
 
 class _DeviceTensor:
