@@ -77,6 +77,17 @@ def test_validate_configuration_uses_the_installed_interface(monkeypatch: pytest
     assert FlashAttentionBackend.get_cudagraph_support() == AttentionCGSupport.ALWAYS
 
 
+def test_alibi_is_refused_at_selection_unless_fa2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ALiBi is declared for FA2 only: with flash-attn-4 installed the selector passes FLASH_ATTN
+    over for an ALiBi layer (instead of choosing it and failing in the impl's constructor)."""
+    for name, refused in (("fa4", True), ("fa2", False)):
+        iface = FlashAttnInterface(name, "x", fn=lambda *a, **k: None)
+        monkeypatch.setattr(fa_interface, "get_flash_attn_interface", lambda iface=iface: (iface, ""))
+        reasons = FlashAttentionBackend.feature_reasons(use_alibi=True)
+        assert (reasons == [f"ALiBi needs FA2, the installed interface is {name}"]) is refused, reasons
+        assert FlashAttentionBackend.feature_reasons(use_sliding_window=True) == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_unavailable_without_gpu_and_forced_selection_says_why() -> None:
     from vattn import selector

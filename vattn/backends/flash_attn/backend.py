@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vattn.core.enums import AttentionCGSupport
+from vattn.core.enums import AttentionCGSupport, AttentionType
 from vattn.core.capabilities import Capabilities
 from vattn.core.interface import AttentionBackend
 from vattn.backends.flash_attn import interface as fa_interface
@@ -64,6 +64,16 @@ class FlashAttentionBackend(AttentionBackend):
             reasons.append("MLA not supported (use an MLA backend)")
         if use_sparse:
             reasons.append("sparse attention not supported")
+        return reasons
+
+    @classmethod
+    def feature_reasons(cls, attn_type: str = AttentionType.DECODER, **features: bool) -> list[str]:
+        """The declarations' reasons, and ALiBi where the installed interface is not FA2 (the
+        declaration covers every interface; the impl would refuse the layer)."""
+        reasons = super().feature_reasons(attn_type, **features)
+        iface, _ = fa_interface.get_flash_attn_interface()
+        if features.get("use_alibi") and iface is not None and iface.name != "fa2":
+            reasons.append(f"ALiBi needs FA2, the installed interface is {iface.name}")
         return reasons
 
     @classmethod
