@@ -62,7 +62,7 @@ class AttentionBackend(ABC, metaclass=_BackendMeta):
     builder_cls: ClassVar[type["AttentionMetadataBuilder"]]
     capabilities: ClassVar[Capabilities] = Capabilities()
 
-    # Read-only mirrors of ``capabilities`` under the seeds' names (set by ``__init_subclass__``).
+    # Mirrors of ``capabilities`` under the seeds' names, kept in step by the metaclass.
     accept_output_buffer: ClassVar[bool]
     supports_quant_query_input: ClassVar[bool]
     supports_output_quant: ClassVar[bool]
