@@ -32,6 +32,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 BACKENDS = [
     pytest.param("TORCH_SDPA"),
+    pytest.param("CPU_ATTN"),
     pytest.param("TRITON_ATTN"),
     pytest.param("FLEX_ATTENTION"),
     pytest.param("TREE_ATTN"),

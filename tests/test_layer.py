@@ -30,7 +30,7 @@ def _reference(q, k_all, v_all, q_pos):
 def test_registers_and_repr(vattn_config):
     a = _layer("model.layers.0.attn")
     assert vattn_config.compilation.static_forward_context["model.layers.0.attn"] is a
-    assert "num_kv_heads=2" in repr(a) and a.backend.name == "TORCH_SDPA"
+    assert "num_kv_heads=2" in repr(a) and a.backend.name == "CPU_ATTN"
     assert a.use_output and not a.use_direct_call
 
 

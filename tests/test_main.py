@@ -54,7 +54,7 @@ def expected_status(member: AttentionBackendEnum) -> str:
     """The status every member must have on a CPU without TRITON_INTERPRET (this version's backends)."""
     if not member.is_implemented():
         return "not_implemented"
-    return "available" if member in (B.TORCH_SDPA, B.FLEX_ATTENTION, B.TREE_ATTN, B.NO_ATTENTION) else "unavailable"
+    return "available" if member in (B.TORCH_SDPA, B.CPU_ATTN, B.FLEX_ATTENTION, B.TREE_ATTN, B.NO_ATTENTION) else "unavailable"
 
 
 def text_statuses(text: str) -> dict[str, str]:
@@ -78,7 +78,7 @@ def test_text_report_on_cpu():
         assert re.search(rf"^  {label} +\S", out, re.M), label
     assert "CPU only: no CUDA GPU visible" in out
     assert text_statuses(out) == {m.name: STATUS_WORDS[expected_status(m)] for m in B}
-    assert re.search(rf"^  CPU_ATTN +not implemented in {vattn_version()}$", out, re.M)
+    assert re.search(rf"^  ROCM_ATTN +not implemented in {vattn_version()}$", out, re.M)
     assert re.search(r"^  FLASHINFER +unavailable here: .*GPU", out, re.M)
     # An available backend says what it serves.
     after = out.split("\n  TORCH_SDPA ")[1].splitlines()[1:]
@@ -86,7 +86,7 @@ def test_text_report_on_cpu():
     assert "dtypes: float16, bfloat16, float32" in sdpa and "KV-cache dtypes: auto" in sdpa
     assert "CUDA graphs: NEVER (piecewise only)" in sdpa
     assert "head_size=128, dtype=torch.float32, kv_cache_dtype='auto', block_size=16" in out
-    assert "\n  selected: TORCH_SDPA\n" in out
+    assert "\n  selected: CPU_ATTN\n" in out
     env = out.split("Environment (vattn.envs)\n")[1]
     assert "  set:\n    (none)\n" in env
     assert "    VATTN_ATTENTION_BACKEND: None\n" in env and "    VATTN_Q_SCALE_CONSTANT: 200" in env
@@ -110,16 +110,16 @@ def test_json_report_on_cpu():
     assert sdpa["serves"]["kv_cache_dtypes"] == list(TorchSDPABackend.supported_kv_cache_dtypes)
     assert sdpa["serves"]["sinks"] is TorchSDPABackend.supports_sink
     assert sdpa["serves"]["notes"] == dict(TorchSDPABackend.feature_notes)
-    cpu_attn = next(e for e in report["backends"] if e["name"] == "CPU_ATTN")
-    assert cpu_attn["reason"] == f"not implemented in {vattn_version()}" and cpu_attn["serves"] is None
+    rocm = next(e for e in report["backends"] if e["name"] == "ROCM_ATTN")
+    assert rocm["reason"] == f"not implemented in {vattn_version()}" and rocm["serves"] is None
     flex = next(e for e in report["backends"] if e["name"] == "FLEX_ATTENTION")
     assert flex["status"] == "available" and flex["serves"]["cuda_graphs"] == "UNIFORM_SINGLE_TOKEN_DECODE"
     fi = next(e for e in report["backends"] if e["name"] == "FLASHINFER")
     assert "GPU" in fi["reason"] and fi["serves"]["head_sizes"]  # declared even where it cannot run
     sel = report["default_selection"]
-    assert sel["selected"] == "TORCH_SDPA" and sel["error"] is None and sel["forced_by"] is None
+    assert sel["selected"] == "CPU_ATTN" and sel["error"] is None and sel["forced_by"] is None
     assert sel["config"] == {"head_size": 128, "dtype": "torch.float32", "kv_cache_dtype": "auto", "block_size": 16}
-    assert sel["priority"] == ["TORCH_SDPA"]
+    assert sel["priority"] == ["CPU_ATTN", "TORCH_SDPA"]
     env = {r["name"]: r for r in report["environment"]}
     assert set(env) == set(vattn.envs.environment_variables)
     assert not any(r["set"] for r in env.values())
@@ -129,11 +129,11 @@ def test_json_report_on_cpu():
 
 
 def test_report_with_forced_backends_and_set_variables():
-    report = json.loads(run_vattn("--json", env={"VATTN_ATTENTION_BACKEND": "CPU_ATTN",
+    report = json.loads(run_vattn("--json", env={"VATTN_ATTENTION_BACKEND": "ROCM_ATTN",
                                                  "VATTN_DEBUG_CHECKS": "1"}).stdout)
     sel = report["default_selection"]
     assert sel["selected"] is None and sel["forced_by"] == "VATTN_ATTENTION_BACKEND"
-    assert "CPU_ATTN (forced by VATTN_ATTENTION_BACKEND='CPU_ATTN') is not implemented" in sel["error"]
+    assert "ROCM_ATTN (forced by VATTN_ATTENTION_BACKEND='ROCM_ATTN') is not implemented" in sel["error"]
     env = {r["name"]: r for r in report["environment"]}
     assert env["VATTN_DEBUG_CHECKS"] == {"name": "VATTN_DEBUG_CHECKS", "set": True, "raw": "1", "value": True}
     assert env["VATTN_ATTENTION_BACKEND"]["set"] and not env["VATTN_KV_CACHE_LAYOUT"]["set"]
@@ -268,7 +268,7 @@ def test_support_matrix_is_declarations_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     assert info.support_matrix_markdown() == expected
-    assert expected.endswith("\n") and "| TORCH_SDPA |" in expected and "CPU_ATTN" not in expected
+    assert expected.endswith("\n") and "| TORCH_SDPA |" in expected and "ROCM_ATTN" not in expected
 
 
 def test_support_matrix_shows_each_implemented_backend_as_declared():
@@ -301,4 +301,4 @@ def test_mla_backends_and_selection_in_the_report():
     report = json.loads(run_vattn("--json", env={"TRITON_INTERPRET": "1"}).stdout)
     assert report["mla_selection"]["selected"] == "TRITON_MLA"
     assert report["mla_selection"]["config"]["use_mla"] is True
-    assert report["default_selection"]["selected"] == "TORCH_SDPA"
+    assert report["default_selection"]["selected"] == "CPU_ATTN"

@@ -287,7 +287,7 @@ def test_allocate_mixes_latent_and_kv_caches_with_one_block_table(interpret: Non
     assert tuple(kv.tensors["m.layers.1.attn"].shape) == (2, 12, 16, 2, 16)
     specs = {g.backend.get_name(): g.spec for g in kv.groups}
     assert isinstance(specs["TRITON_MLA"], MLAAttentionSpec) and specs["TRITON_MLA"].kv_lora_rank == 32
-    assert type(specs["TORCH_SDPA"]) is not MLAAttentionSpec
+    assert type(specs["CPU_ATTN"]) is not MLAAttentionSpec
     assert mla.kv_cache[0] is kv.tensors["m.layers.0.mla"]
     common = kv.common_metadata([3, 2], [0, 0], [[4], [7]])
     with vattn.set_forward_context(kv.build_metadata(common), cfg), torch.no_grad():

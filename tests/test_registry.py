@@ -22,9 +22,9 @@ from vattn.core.registry import (
 
 B = AttentionBackendEnum
 #: The backends this version ships, and the named ones it does not (later versions may add some).
-IMPLEMENTED = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TORCH_SDPA", "FLEX_ATTENTION", "TREE_ATTN", "FLASHMLA",
-               "FLASHMLA_SPARSE", "FLASHINFER_MLA", "TRITON_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "NO_ATTENTION")
-NAMED_ONLY = ("CPU_ATTN",)
+IMPLEMENTED = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TORCH_SDPA", "FLEX_ATTENTION", "CPU_ATTN", "TREE_ATTN",
+               "FLASHMLA", "FLASHMLA_SPARSE", "FLASHINFER_MLA", "TRITON_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "NO_ATTENTION")
+NAMED_ONLY = ("ROCM_ATTN",)
 
 
 # Each test starts without overrides; whatever was registered before is restored after.
@@ -51,7 +51,7 @@ def fake_module(monkeypatch):
 def test_required_members_exist():
     names = set(B.__members__)
     required = {
-        "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TORCH_SDPA", "FLEX_ATTENTION", "CPU_ATTN",
+        "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TORCH_SDPA", "FLEX_ATTENTION", "CPU_ATTN", "ROCM_ATTN",
         "NO_ATTENTION", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA",
         "CUSTOM",
     }
@@ -86,11 +86,11 @@ def test_unknown_name_lists_implemented_then_named_only():
 
 
 def test_unknown_name_moves_a_registered_member_to_valid(fake_module):
-    register_backend(B.CPU_ATTN, "_vattn_fake_backends.FakeA")
+    register_backend(B.ROCM_ATTN, "_vattn_fake_backends.FakeA")
     with pytest.raises(ValueError) as ei:
         B["NOPE"]
     valid, _, named_only = str(ei.value).partition("named but not implemented")
-    assert "CPU_ATTN" in valid and "CPU_ATTN" not in named_only
+    assert "ROCM_ATTN" in valid and "ROCM_ATTN" not in named_only
     assert "NO_ATTENTION" in valid and not named_only
 
 
@@ -115,12 +115,12 @@ def test_is_implemented():
 def test_is_implemented_follows_overrides(fake_module):
     register_backend(B.CUSTOM, "_vattn_fake_backends.FakeA")
     assert B.CUSTOM.is_implemented()
-    register_backend(B.CPU_ATTN, "_vattn_fake_backends.FakeB")
-    assert B.CPU_ATTN.is_implemented()
-    assert B.CPU_ATTN.get_class() is fake_module.FakeB
-    B.CPU_ATTN.clear_override()
+    register_backend(B.ROCM_ATTN, "_vattn_fake_backends.FakeB")
+    assert B.ROCM_ATTN.is_implemented()
+    assert B.ROCM_ATTN.get_class() is fake_module.FakeB
+    B.ROCM_ATTN.clear_override()
     B.CUSTOM.clear_override()
-    assert not B.CPU_ATTN.is_implemented() and not B.CUSTOM.is_implemented()
+    assert not B.ROCM_ATTN.is_implemented() and not B.CUSTOM.is_implemented()
 
     @register_backend(MambaAttentionBackendEnum.GDN_ATTN, is_mamba=True)
     class MyGDN:
@@ -162,13 +162,13 @@ def test_unregistered_custom_is_a_clear_error():
 
 def test_not_implemented_member_says_so():
     with pytest.raises(ImportError) as ei:
-        B.CPU_ATTN.get_class()
+        B.ROCM_ATTN.get_class()
     msg = str(ei.value)
-    assert msg.startswith(f"CPU_ATTN is not implemented in {vattn_version()} ")
-    assert "'vattn.backends.cpu_attn'" in msg
+    assert msg.startswith(f"ROCM_ATTN is not implemented in {vattn_version()} ")
+    assert "'vattn.backends.rocm_attn'" in msg
     implemented = [m.name for m in B if m.name in IMPLEMENTED]
     assert f"Choose one of the implemented ones ({', '.join(implemented)})" in msg
-    assert "register_backend(AttentionBackendEnum.CPU_ATTN, 'your.module.YourBackend')" in msg
+    assert "register_backend(AttentionBackendEnum.ROCM_ATTN, 'your.module.YourBackend')" in msg
     assert "not installed" not in msg  # not to be confused with a missing library
 
 

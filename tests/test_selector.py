@@ -22,7 +22,8 @@ from vattn.selector import (
 
 B = AttentionBackendEnum
 ENV = "VATTN_ATTENTION_BACKEND"
-IMPLEMENTED = ("FLASH_ATTN, TRITON_ATTN, FLASHINFER, TORCH_SDPA, FLEX_ATTENTION, TREE_ATTN, FLASHMLA, FLASHMLA_SPARSE, "
+IMPLEMENTED = ("FLASH_ATTN, TRITON_ATTN, FLASHINFER, TORCH_SDPA, FLEX_ATTENTION, CPU_ATTN, TREE_ATTN, FLASHMLA, "
+               "FLASHMLA_SPARSE, "
                "FLASHINFER_MLA, TRITON_MLA, CUTLASS_MLA, FLASH_ATTN_MLA")  # this version's, in registry order
 F16 = torch.float16
 
@@ -105,12 +106,12 @@ def use_platform(monkeypatch, platform: Platform) -> None:
 # ---- default selection and cache ---------------------------------------------------
 
 
-def test_default_cpu_selection_is_torch_sdpa():
-    from vattn.backends.torch_sdpa import TorchSDPABackend
+def test_default_cpu_selection_is_cpu_attn():
+    from vattn.backends.cpu_attn import CPUAttentionBackend
 
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        assert get_attn_backend(64, dtype, "auto", 16) is TorchSDPABackend
-    assert get_attn_backend(128, torch.bfloat16, None, 32) is TorchSDPABackend
+        assert get_attn_backend(64, dtype, "auto", 16) is CPUAttentionBackend
+    assert get_attn_backend(128, torch.bfloat16, None, 32) is CPUAttentionBackend
 
 
 def test_selection_is_cached_and_cache_clear_works(monkeypatch):
@@ -169,7 +170,7 @@ def test_layer_features_are_checked_against_the_declarations(monkeypatch):
 
 def test_backend_that_fails_to_import_is_skipped(monkeypatch):
     fallback = register_backend(B.CUSTOM)(make_backend("CUSTOM"))
-    use_platform(monkeypatch, ListPlatform(B.CPU_ATTN, B.CUSTOM))  # CPU_ATTN's module does not exist
+    use_platform(monkeypatch, ListPlatform(B.ROCM_ATTN, B.CUSTOM))  # ROCM_ATTN's module does not exist
     assert get_attn_backend(64, F16, "auto", 16) is fallback
 
 
@@ -238,7 +239,7 @@ def test_context_manager_restores_and_clears_cache():
 def test_no_backend_serves_groups_candidates(monkeypatch):
     register_backend(B.FLASH_ATTN)(make_backend("FLASH_ATTN", head_sizes=(64, 128)))
     register_backend(B.TRITON_ATTN)(make_backend("TRITON_ATTN", head_sizes=(32, 64, 128, 256)))
-    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.TRITON_ATTN, B.CPU_ATTN))
+    use_platform(monkeypatch, ListPlatform(B.FLASH_ATTN, B.TRITON_ATTN, B.ROCM_ATTN))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(7, F16, "auto", 16)
     lines = str(ei.value).splitlines()
@@ -247,18 +248,18 @@ def test_no_backend_serves_groups_candidates(monkeypatch):
         "Candidates that cannot serve here, and why:",
         "  FLASH_ATTN: head_size 7 not in [64, 128]",
         "  TRITON_ATTN: head_size 7 not in [32, 64, 128, 256]",
-        f"Candidates not implemented in {vattn_version()}: CPU_ATTN",
+        f"Candidates not implemented in {vattn_version()}: ROCM_ATTN",
     ]
     assert "register_backend" in lines[5]
     assert "does not exist" not in str(ei.value)  # unimplemented ones are never imported
 
 
 def test_only_unimplemented_candidates(monkeypatch):
-    use_platform(monkeypatch, ListPlatform(B.CPU_ATTN))
+    use_platform(monkeypatch, ListPlatform(B.ROCM_ATTN))
     with pytest.raises(ValueError) as ei:
         get_attn_backend(64, F16, "auto", 16)
     msg = str(ei.value)
-    assert f"\nCandidates not implemented in {vattn_version()}: CPU_ATTN\n" in msg
+    assert f"\nCandidates not implemented in {vattn_version()}: ROCM_ATTN\n" in msg
     assert "cannot serve here" not in msg
 
 
@@ -311,26 +312,26 @@ def test_forced_backend_that_cannot_serve_says_why(monkeypatch):
 @pytest.mark.parametrize("how", ["env", "global"])
 def test_forced_backend_not_implemented_says_so(monkeypatch, how):
     if how == "env":
-        monkeypatch.setenv(ENV, "cpu_attn")
-        source = "VATTN_ATTENTION_BACKEND='cpu_attn'"
+        monkeypatch.setenv(ENV, "rocm_attn")
+        source = "VATTN_ATTENTION_BACKEND='rocm_attn'"
     else:
-        global_force_attn_backend("CPU_ATTN")
+        global_force_attn_backend("ROCM_ATTN")
         source = "global_force_attn_backend"
     with pytest.raises(ValueError) as ei:
         get_attn_backend(64, F16, "auto", 16)
     msg = str(ei.value)
-    assert msg.startswith(f"attention backend CPU_ATTN (forced by {source}) is not implemented in {vattn_version()}. "
+    assert msg.startswith(f"attention backend ROCM_ATTN (forced by {source}) is not implemented in {vattn_version()}. "
                           f"Implemented backends: {IMPLEMENTED}. ")
-    assert "register_backend(AttentionBackendEnum.CPU_ATTN" in msg
+    assert "register_backend(AttentionBackendEnum.ROCM_ATTN" in msg
     assert "does not exist" not in msg and "cannot serve" not in msg
 
 
 def test_forced_unimplemented_name_with_an_override_is_used(monkeypatch):
-    mine = register_backend(B.CPU_ATTN)(make_backend("CPU_ATTN"))
-    monkeypatch.setenv(ENV, "CPU_ATTN")
+    mine = register_backend(B.ROCM_ATTN)(make_backend("ROCM_ATTN"))
+    monkeypatch.setenv(ENV, "ROCM_ATTN")
     assert get_attn_backend(64, F16, "auto", 16) is mine  # the registry generation is in the cache key
-    B.CPU_ATTN.clear_override()
-    with pytest.raises(ValueError, match="CPU_ATTN .* is not implemented in"):
+    B.ROCM_ATTN.clear_override()
+    with pytest.raises(ValueError, match="ROCM_ATTN .* is not implemented in"):
         get_attn_backend(64, F16, "auto", 16)
 
 
@@ -354,7 +355,7 @@ def test_unknown_env_name_lists_valid(monkeypatch):
     monkeypatch.setenv(ENV, "FLASH_ATTENTION_9")
     with pytest.raises(ValueError, match=r"VATTN_ATTENTION_BACKEND='FLASH_ATTENTION_9' is not an attention "
                        rf"backend\. Valid options are: {IMPLEMENTED.replace('TREE_ATTN', 'TREE_ATTN, NO_ATTENTION')}, CUSTOM \(register a backend first\); "
-                       r"named but not implemented in .*: CPU_ATTN\. Set it"):
+                       r"named but not implemented in .*: ROCM_ATTN\. Set it"):
         get_env_variable_attn_backend()
     with pytest.raises(ValueError, match="Valid options are"):
         get_attn_backend(64, F16, "auto", 16)
@@ -398,7 +399,7 @@ def test_platform_priority_tables():
     mla = cuda.get_attn_backend_priority(576, torch.bfloat16, "auto", 64, use_mla=True)
     assert mla[0] is B.FLASHINFER_MLA and B.TRITON_MLA in mla and B.FLASH_ATTN not in mla
     assert not {B.FLASHMLA, B.FLASHMLA_SPARSE, B.CUTLASS_MLA} & set(mla + list(CudaPlatform.hopper_mla_priority))
-    assert cpu.get_attn_backend_priority(64, torch.float32, "auto", 16) == [B.TORCH_SDPA]
+    assert cpu.get_attn_backend_priority(64, torch.float32, "auto", 16) == [B.CPU_ATTN, B.TORCH_SDPA]
     assert cuda.device_type == "cuda" and cpu.device_type == "cpu"
     assert cuda.is_cuda() and cpu.is_cpu() and not cpu.is_cuda()
     assert cuda.opaque_attention_op() and cpu.opaque_attention_op()

@@ -327,7 +327,7 @@ def test_one_request_on_consecutive_blocks_reads_a_view(layout: str, dtype: torc
         for table in ([2, 3, 4, 5], [5, 0, 3, 1]):
             cfg = VattnConfig(cache=vattn.CacheConfig(block_size=bs))
             with vattn.set_current_vattn_config(cfg):
-                attn = vattn.Attention(heads, d, d**-0.5, num_kv_heads=kv_heads, prefix="l.attn")
+                attn = vattn.Attention(heads, d, d**-0.5, num_kv_heads=kv_heads, prefix="l.attn", attn_backend="TORCH_SDPA")
             kv = vattn.allocate_kv_cache(cfg, num_blocks=7, dtype=dtype)
             cache = kv.tensors["l.attn"]
             cache.fill_(float("nan"))  # every slot the request does not own

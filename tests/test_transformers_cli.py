@@ -84,7 +84,7 @@ def test_generate_hf_cli_from_repo_root(checkpoints: dict[str, Path]) -> None:
                         "--prompt", "Hi", "--output-len", "3", "--threads", "1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "request 0: prompt 2 tokens -> '" in r.stdout and "backend TORCH_SDPA" in r.stdout
+    assert "request 0: prompt 2 tokens -> '" in r.stdout and "backend CPU_ATTN" in r.stdout
 
 
 def test_save_random_checkpoint_cli(tmp_path: Path) -> None:

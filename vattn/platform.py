@@ -11,7 +11,7 @@ Backend priority (the selector tries these in order and takes the first whose
 | cuda, other | standard attention, fp16/bf16 | FLASH_ATTN (flash-attn-4 / FA3 / FA2), FLASHINFER, TRITON_ATTN, TORCH_SDPA |
 | cuda | float32 | TORCH_SDPA, TRITON_ATTN (the libraries serve only fp16/bf16) |
 | cuda | MLA (``use_mla``) | FLASHINFER_MLA, FLASH_ATTN_MLA, TRITON_MLA (sm_90: ``hopper_mla_priority``) |
-| cpu | standard attention | TORCH_SDPA |
+| cpu | standard attention | CPU_ATTN (TORCH_SDPA's features; decodes read the paged cache in place), TORCH_SDPA |
 | cpu | MLA | TRITON_MLA (under ``TRITON_INTERPRET=1`` only; otherwise it states why not) |
 
 Why this order on CUDA: FlashAttention and FlashInfer are the fastest tuned kernels where
@@ -21,7 +21,7 @@ first, for decode; the numbers are in benchmarks/README.md). MLA: FlashInfer's a
 FlashAttention's MLA kernels first, vattn's Triton MLA last (it also serves fp32 and fp8
 latent caches); FLASHMLA, FLASHMLA_SPARSE and CUTLASS_MLA need kernel libraries vattn does not
 ship: they stay in the registry and say why when forced, but are on no priority list; ``hopper_mla_priority`` is the order
-``benchmarks/bench_mla.py`` measures on sm_90. On CPU only SDPA is a sensible default;
+``benchmarks/bench_mla.py`` measures on sm_90. On CPU, CPU_ATTN (TORCH_SDPA with decodes read in place) is the default;
 TRITON_ATTN runs there only under ``TRITON_INTERPRET=1`` and only when forced
 (``VATTN_ATTENTION_BACKEND=TRITON_ATTN`` or ``vattn.global_force_attn_backend``); no MLA
 backend runs on CPU except TRITON_MLA under the interpreter (tests).
@@ -162,7 +162,7 @@ class CpuPlatform(Platform):
     """Host CPU (the development and CI machines)."""
 
     device_type = "cpu"
-    attention_priority = (_B.TORCH_SDPA,)
+    attention_priority = (_B.CPU_ATTN, _B.TORCH_SDPA)
     mla_priority = (_B.TRITON_MLA,)
 
 

@@ -247,6 +247,7 @@ class AttentionBackendEnum(_RegistryMember, enum.Enum, metaclass=_AttentionBacke
     TORCH_SDPA = "vattn.backends.torch_sdpa.TorchSDPABackend"
     FLEX_ATTENTION = "vattn.backends.flex_attention.FlexAttentionBackend"
     CPU_ATTN = "vattn.backends.cpu_attn.CPUAttentionBackend"
+    ROCM_ATTN = "vattn.backends.rocm_attn.RocmAttentionBackend"  # named (the seeds'), not implemented: AMD GPUs
     TREE_ATTN = "vattn.backends.tree_attn.TreeAttentionBackend"
     NO_ATTENTION = "vattn.backends.no_attention.NoAttentionBackend"
     # Multi-head latent attention (DeepSeek-style); planned, not shipped yet.
