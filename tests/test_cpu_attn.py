@@ -9,14 +9,18 @@ import torch
 import torch.nn.functional as F
 
 import vattn
-from vattn.backends.cpu_attn import CPUAttentionMetadata, block_runs
+import numpy as np
+
+from vattn.backends.cpu_attn import CPUAttentionMetadata, decode_runs
 
 H, HK, D, BS = 8, 2, 32, 4
 
 
-def test_block_runs() -> None:
-    assert block_runs([3, 4, 5, 9, 10, 2], 22, BS) == [(3, 12), (9, 8), (2, 2)]
-    assert block_runs([7], 3, BS) == [(7, 3)]
+def test_decode_runs() -> None:
+    blocks = np.array([[3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22, 23], [7] + [0] * 11, list(range(1, 12)) + [30]])
+    assert decode_runs(blocks, np.array([47, 3, 45]), BS) == [[(3, 32), (20, 15)], [(7, 3)], [(1, 44), (30, 1)]]
+    # 3 runs in 5 blocks: more than a quarter of the blocks, the gather serves the batch
+    assert decode_runs(np.array([[3, 4, 9, 2, 3]]), np.array([20]), BS) is None
 
 
 def _decode(backend: str, tables: list[list[int]], lens: list[int], dtype: torch.dtype, seed: int = 0,

@@ -21,7 +21,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from vattn.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadata, TorchSDPAMetadataBuilder
 from vattn.core.metadata import CommonAttentionMetadata
@@ -31,16 +33,24 @@ __all__ = ["CPUAttentionBackend", "CPUAttentionImpl", "CPUAttentionMetadata", "C
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def block_runs(blocks: list[int], seq_len: int, block_size: int) -> list[tuple[int, int]]:
-    """``(first block, tokens)`` of each run of consecutive block ids covering ``seq_len`` tokens."""
-    runs: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-            tokens = min((i - start) * block_size, seq_len - start * block_size)
-            runs.append((blocks[start], tokens))
-            start = i
-    return runs
+def decode_runs(blocks: np.ndarray, seq_lens: np.ndarray, block_size: int) -> list[list[tuple[int, int]]] | None:
+    """Per request, ``(first block, tokens)`` of each run of consecutive block ids among its first
+    ``ceil(seq_len / block_size)`` blocks (``blocks`` (B, nb), ``seq_lens`` (B,)); None when some
+    request has more runs than a quarter of its blocks (the gather is then cheaper than a kernel
+    call per run). Vectorized over the batch; a Python loop over requests only."""
+    n = -(-seq_lens.astype(np.int64) // block_size)  # (B,) blocks in use
+    used = np.arange(blocks.shape[1])[None, :] < n[:, None]
+    starts = np.ones(blocks.shape, dtype=bool)  # a run starts where the id does not follow its left neighbour
+    starts[:, 1:] = blocks[:, 1:] != blocks[:, :-1] + 1
+    starts &= used
+    if (starts.sum(1) > np.maximum(1, n // 4)).any():
+        return None
+    rows, cols = np.nonzero(starts)  # every run, request-major
+    last = np.append(rows[1:] != rows[:-1], True)  # the request's last run ends at its last token
+    end = np.where(last, seq_lens[rows], np.append(cols[1:], 0) * block_size)
+    firsts, tokens = blocks[rows, cols].tolist(), (end - cols * block_size).tolist()
+    bounds = np.append(0, np.cumsum(starts.sum(1))).tolist()
+    return [list(zip(firsts[a:b], tokens[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 @dataclass
@@ -52,27 +62,18 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
 
 
 class CPUAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
+    metadata_cls = CPUAttentionMetadata
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPUAttentionMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if f.init}
-        out = CPUAttentionMetadata(**fields, decode_runs=self._runs(md, common_attn_metadata))
-        out.checks = md.checks
-        return out
-
-    def _runs(self, md: TorchSDPAMetadata, cm: CommonAttentionMetadata) -> list[list[tuple[int, int]]] | None:
-        if md.decode_blocks is None or md.decode_blocks.device.type != "cpu":
-            return None
-        bs = self.kv_cache_spec.block_size
-        seq_lens = cm.seq_lens_cpu[: md.num_reqs].tolist()
-        out = []
-        for row, seq_len in zip(md.decode_blocks.tolist(), seq_lens):
-            n = -(-seq_len // bs)
-            runs = block_runs(row[:n], seq_len, bs)
-            if len(runs) > max(1, n // 4):
-                return None  # fragmented: the gather is cheaper than a kernel call per run
-            out.append(runs)
-        return out
+        assert isinstance(md, CPUAttentionMetadata)
+        if md.decode_first_block is not None:  # one request on consecutive blocks: one run, found already
+            md.decode_runs = [[(md.decode_first_block, int(common_attn_metadata.seq_lens_cpu[0]))]]
+        elif md.decode_blocks is not None and md.decode_blocks.device.type == "cpu":
+            md.decode_runs = decode_runs(md.decode_blocks.numpy(), common_attn_metadata.seq_lens_cpu[: md.num_reqs].numpy(),
+                                         self.kv_cache_spec.block_size)
+        return md
 
 
 class CPUAttentionImpl(TorchSDPAImpl):
@@ -90,19 +91,19 @@ class CPUAttentionImpl(TorchSDPAImpl):
         hk, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         q_all = query.to(kv_cache.dtype)
         base = kv_cache.storage_offset()
+
+        def view(first: int, tokens: int) -> torch.Tensor:  # (2, 1, Hk, tokens, D): a run's K and V
+            return kv_cache.as_strided((2, 1, hk, tokens, d), (s_kv, 0, s_head, s_tok, s_dim), base + first * s_block)
+
         for b, request in enumerate(runs):
             q = q_all[b].view(1, hk, g, d)  # the G query heads of a KV head as G query rows
-            outs, lses = [], []
-            for first, tokens in request:
-                kv = kv_cache.as_strided((2, 1, hk, tokens, d), (s_kv, 0, s_head, s_tok, s_dim), base + first * s_block)
-                o, lse = _FLASH(q, kv[0], kv[1], scale=self.scale)[:2]  # (1, Hk, G, D), (1, Hk, G) float32
-                outs.append(o)
-                lses.append(lse)
-            if len(outs) == 1:
-                out = outs[0]
-            else:  # merge the runs: each run's softmax weighs by its share of the total exp-sum
-                w = torch.softmax(torch.stack(lses), dim=0)
-                out = (torch.stack(outs).float() * w[..., None]).sum(0)
+            if len(request) == 1:
+                kv = view(*request[0])
+                out = F.scaled_dot_product_attention(q, kv[0], kv[1], scale=self.scale)  # (1, Hk, G, D)
+            else:  # per run (out, log-sum-exp); each run weighs by its share of the total exp-sum
+                parts = [_FLASH(q, kv[0], kv[1], scale=self.scale)[:2] for kv in (view(*r) for r in request)]
+                w = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # (R, 1, Hk, G)
+                out = (torch.stack([o for o, _ in parts]).float() * w[..., None]).sum(0)
             output[b] = out.view(self.num_heads, d).to(output.dtype)
         return output
 

@@ -83,6 +83,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
     """Builds ``TorchSDPAMetadata``. No full CUDA graphs: the forward's shapes follow the batch."""
 
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    metadata_cls: ClassVar[type[TorchSDPAMetadata]] = TorchSDPAMetadata  # a subclass for backends extending it
 
     def build(
         self,
@@ -146,7 +147,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         is_decode = qlens_cpu <= thr
         num_decodes = int(is_decode.sum())
         num_decode_tokens = int(qlens_cpu[is_decode].sum())
-        return TorchSDPAMetadata(
+        return self.metadata_cls(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=B,
             max_query_len=Lq,
